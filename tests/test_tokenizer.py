@@ -285,5 +285,8 @@ def test_bad_arguments(tok, tmp_path):
         tok.token_id("<|nope|>")
     with pytest.raises(TokenizerArgumentError, match="outside the vocabulary"):
         tok.decode([tok.vocab_size])
+    with pytest.raises(TokenizerArgumentError, match="must be an integer"):
+        tok.decode([1.0])
+    assert tok.decode([tok.eos_id]) == "<|end_of_msg|>"
     with pytest.raises(TokenizerArgumentError, match="text must be a str"):
         tok.encode(b"bytes")

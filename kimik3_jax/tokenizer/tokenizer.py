@@ -24,6 +24,7 @@ from kimik3_jax.tokenizer.special import (
     PAT_STR,
     UNK_TOKEN,
     TokenizerArgumentError,
+    _require_int,
     reserved_token_name,
 )
 
@@ -225,15 +226,10 @@ class K3Tokenizer:
     def _checked(self, ids: Iterable[int]) -> list[int]:
         out = []
         for i in ids:
-            if isinstance(i, bool):
-                raise TokenizerArgumentError(f"decode: ids must be integers, got {i!r}")
-            try:
-                v = int(i)
-            except (TypeError, ValueError):
-                raise TokenizerArgumentError(f"decode: ids must be integers, got {i!r}") from None
-            if v != i or not 0 <= v < self.vocab_size:
+            v = _require_int(i, "decode: each id")
+            if not 0 <= v < self.vocab_size:
                 raise TokenizerArgumentError(
-                    f"decode: id {i!r} is outside the vocabulary 0..{self.vocab_size - 1} "
+                    f"decode: id {v} is outside the vocabulary 0..{self.vocab_size - 1} "
                     f"of {self._source}"
                 )
             out.append(v)
