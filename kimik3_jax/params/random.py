@@ -70,8 +70,10 @@ def draw(xp, init: Init, key, shape: tuple[int, ...], dtype: Any):
     """One tensor of `shape` for `init`, from stream `key`, with array module `xp` (np or jnp)."""
     n = math.prod(shape)
     kind = init.kind
-    if kind == "bits":
-        out = (_bits(xp, key, n, 0) >> _u32(xp, 24)).astype(xp.uint8)
+    if kind == "bits":  # four uniform bytes per hashed word
+        words = _bits(xp, key, -(-n // 4), 0)
+        out = xp.stack([(words >> _u32(xp, 8 * j)) & _u32(xp, 0xFF) for j in range(4)], axis=-1)
+        out = out.astype(xp.uint8).reshape(-1)[:n]
     elif kind == "scale_bytes":
         span = init.hi - init.lo + 1
         out = ((_bits(xp, key, n, 0) >> _u32(xp, 8)) * _u32(xp, span) >> _u32(xp, 24)) + _u32(xp, init.lo)

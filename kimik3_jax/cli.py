@@ -1,0 +1,112 @@
+"""The `kimik3` command line. Each subcommand parses its arguments and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from kimik3_jax.errors import K3Error
+
+DEFAULT_CACHE = Path.home() / ".cache" / "kimik3"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from kimik3_jax.checkpoint.generate import make_checkpoint
+    from kimik3_jax.checkpoint.layout import inventory
+    from kimik3_jax.config import ModelConfig
+    from kimik3_jax.presets import config_dict
+
+    config = config_dict(args.preset, args.layers)
+    if args.text_only:
+        config.pop("vision_config", None)
+    cfg = ModelConfig.from_dict(config, origin=args.preset)
+    total = sum(t.nbytes for t in inventory(cfg))
+    out = Path(args.out)
+    probe = out if out.exists() else out.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if total > free:
+        raise K3Error(f"--out {out}: the checkpoint needs {_human(total)} but only {_human(free)} is free there")
+    print(cfg.summary())
+    make_checkpoint(config, out, seed=args.seed, num_shards=args.shards, text_only=args.text_only,
+                    overwrite=args.overwrite, progress=not args.quiet)
+    print(f"wrote {out} ({_human(total)} of tensors, seed {args.seed})")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from kimik3_jax.checkpoint.load import Checkpoint, summarize
+    from kimik3_jax.params import param_count
+    from kimik3_jax.tokenizer import K3Tokenizer
+
+    ckpt = Checkpoint(args.dir)
+    cfg = ckpt.config()
+    print(f"{ckpt.dir}\n{cfg.summary()}")
+    print(f"parameters: {param_count(cfg):,} text ({param_count(cfg, experts=True):,} routed-expert), "
+          f"{param_count(cfg, vision=True):,} vision")
+    problems = ckpt.problems(cfg, text_only=args.text_only)
+    rows = summarize(ckpt, cfg)
+    print(f"{len(ckpt.files)} shards, {sum(r[1] for r in rows):,} tensors, {_human(sum(r[2] for r in rows))} "
+          f"(index total_size {ckpt.total_size})")
+    for kind, count, size in rows:
+        print(f"  {kind:<40} {count:>9,} tensors {_human(size):>12}")
+    try:
+        tok = K3Tokenizer.from_dir(ckpt.dir)
+        print(f"tokenizer: {tok.num_bpe_tokens:,} BPE tokens + {tok.vocab_size - tok.num_bpe_tokens} specials")
+        if tok.vocab_size != cfg.vocab_size:
+            problems.append(f"{ckpt.dir}: tokenizer has {tok.vocab_size} ids, config.json vocab_size is {cfg.vocab_size}")
+    except K3Error as e:
+        problems.append(str(e))
+    if problems:
+        print(f"{len(problems)} problem(s):")
+        for p in problems:
+            print(f"  - {p}")
+        return 1
+    print("no problems found")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in JAX: checkpoints, inference, tools.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("make-checkpoint", help="write a random checkpoint in the exact release layout")
+    p.add_argument("--preset", default="tiny", help="tiny | slice | k3 | path to a config.json (default tiny)")
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shards", type=int, default=None, help="number of shard files (default: by size, at least 4)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (e.g. a 1-layer slice)")
+    p.add_argument("--text-only", action="store_true", help="leave out the vision tower")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_make_checkpoint)
+
+    p = sub.add_parser("inspect", help="summarise a checkpoint directory and list every problem (headers only)")
+    p.add_argument("dir")
+    p.add_argument("--text-only", action="store_true", help="do not expect the vision tower")
+    p.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except K3Error as e:
+        print(f"kimik3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
