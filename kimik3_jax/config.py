@@ -275,6 +275,7 @@ def _parse_text(t: _Fields, top: _Fields, vision: VisionConfig | None, source) -
     t.expect("mla_use_nope", (True,))
     t.expect("mla_use_output_gate", (True,))
     t.expect("tie_word_embeddings", (False,), default=False)
+    top.expect("tie_word_embeddings", (False,), default=False)  # the top level ties in HF too
     t.expect("num_nextn_predict_layers", (0,), default=0)
     t.expect("num_expert_group", (1,), default=1)
     t.expect("topk_group", (1,), default=1)
@@ -349,6 +350,7 @@ def _parse_quant(t: _Fields, top: _Fields) -> QuantConfig:
     if len(groups.data) != 1:
         raise q.fail("config_groups", f"has {len(groups.data)} groups; K3 has exactly one")
     g = groups.sub(next(iter(groups.data)))
+    g.expect("format", ("mxfp4-pack-quantized",), default=fmt)  # a group format overrides the outer one
     w = g.sub("weights")
     w.expect("type", ("float",))
     w.expect("strategy", ("group",))

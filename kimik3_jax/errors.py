@@ -19,3 +19,7 @@ class MXFP4Error(CheckpointError, ValueError):
 
 class TokenizerError(K3Error):
     """Tokenizer files missing or malformed."""
+
+
+class TokenizerArgumentError(TokenizerError, ValueError):
+    """A tokenizer function was called with an argument it cannot use (the message names it)."""

@@ -51,7 +51,10 @@ class Checkpoint:
         self._handles: dict[str, Any] = {}
 
     def config(self) -> ModelConfig:
-        return ModelConfig.from_file(self.dir / CONFIG_FILE)
+        path = self.dir / CONFIG_FILE
+        if not path.is_file():  # a checkpoint problem (a malformed config.json stays a ConfigError)
+            raise CheckpointError(f"{path}: config file not found in the checkpoint directory")
+        return ModelConfig.from_file(path)
 
     @cached_property
     def files(self) -> list[str]:

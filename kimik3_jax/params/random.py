@@ -54,51 +54,62 @@ def stream_key(xp, seed: int, leaf: Leaf, layer, expert):
     return k
 
 
-def _bits(xp, key, n: int, lane: int):
-    """n pseudo-random uint32 words of stream `key`, lane `lane` (independent lanes per element)."""
-    counter = xp.arange(n, dtype=xp.uint32)
+def _bits(xp, key, start: int, n: int, lane: int):
+    """Words start..start+n-1 (uint32) of stream `key`, lane `lane` (independent lanes per element)."""
+    counter = xp.arange(start, start + n, dtype=xp.uint32)
     return _mix(xp, _mix(xp, counter ^ key) ^ (key + _u32(xp, (lane * _LANE) & 0xFFFFFFFF)))
 
 
-def _normal(xp, key, n: int):
+def _normal(xp, key, start: int, n: int):
     """Approximately standard normal float32: (sum of 4 uniforms - 2) * sqrt(3)."""
-    total = sum((_bits(xp, key, n, lane) >> _u32(xp, 8)).astype(xp.int32) for lane in range(4))
+    total = sum((_bits(xp, key, start, n, lane) >> _u32(xp, 8)).astype(xp.int32) for lane in range(4))
     return (total - (1 << 25)).astype(xp.float32) * xp.float32(math.sqrt(3.0) / (1 << 24))
+
+
+def _draw_flat(xp, init: Init, key, shape: tuple[int, ...], dtype: Any, start: int, n: int):
+    """Elements start..start+n-1 of the flattened tensor (`start` a multiple of 4)."""
+    kind = init.kind
+    if kind == "bits":  # four uniform bytes per hashed word
+        words = _bits(xp, key, start // 4, -(-n // 4), 0)
+        out = xp.stack([(words >> _u32(xp, 8 * j)) & _u32(xp, 0xFF) for j in range(4)], axis=-1)
+        return out.astype(xp.uint8).reshape(-1)[:n]
+    if kind == "scale_bytes":
+        span = init.hi - init.lo + 1
+        out = ((_bits(xp, key, start, n, 0) >> _u32(xp, 8)) * _u32(xp, span) >> _u32(xp, 24)) + _u32(xp, init.lo)
+        return out.astype(xp.uint8)
+    if kind == "alog":  # log of a decay rate in [1, 16) per head, zero padding after the real heads
+        u = (_bits(xp, key, start, n, 0) >> _u32(xp, 8)).astype(xp.float32) * xp.float32(2.0 ** -24)
+        real = xp.log(xp.float32(1.0) + xp.float32(15.0) * u)
+        return xp.where(xp.arange(start, start + n) % shape[-1] < init.lo, real, xp.float32(0.0)).astype(dtype)
+    z = _normal(xp, key, start, n)
+    if kind == "fan_in":
+        out = z * xp.float32(init.scale / math.sqrt(math.prod(shape[1:]) or 1))
+    elif kind == "near_one":
+        out = xp.float32(1.0) + z * xp.float32(init.scale)
+    elif kind == "normal":
+        out = z * xp.float32(init.scale)
+    else:
+        raise ValueError(f"unknown init kind {kind!r}")
+    return out.astype(dtype)
 
 
 def draw(xp, init: Init, key, shape: tuple[int, ...], dtype: Any):
     """One tensor of `shape` for `init`, from stream `key`, with array module `xp` (np or jnp)."""
-    n = math.prod(shape)
-    kind = init.kind
-    if kind == "bits":  # four uniform bytes per hashed word
-        words = _bits(xp, key, -(-n // 4), 0)
-        out = xp.stack([(words >> _u32(xp, 8 * j)) & _u32(xp, 0xFF) for j in range(4)], axis=-1)
-        out = out.astype(xp.uint8).reshape(-1)[:n]
-    elif kind == "scale_bytes":
-        span = init.hi - init.lo + 1
-        out = ((_bits(xp, key, n, 0) >> _u32(xp, 8)) * _u32(xp, span) >> _u32(xp, 24)) + _u32(xp, init.lo)
-        out = out.astype(xp.uint8)
-    elif kind == "alog":  # log of a decay rate in [1, 16) per head, zero padding after the real heads
-        u = (_bits(xp, key, n, 0) >> _u32(xp, 8)).astype(xp.float32) * xp.float32(2.0 ** -24)
-        real = xp.log(xp.float32(1.0) + xp.float32(15.0) * u)
-        out = xp.where(xp.arange(n) % shape[-1] < init.lo, real, xp.float32(0.0)).astype(dtype)
-    else:
-        z = _normal(xp, key, n)
-        if kind == "fan_in":
-            out = z * xp.float32(init.scale / math.sqrt(math.prod(shape[1:]) or 1))
-        elif kind == "near_one":
-            out = xp.float32(1.0) + z * xp.float32(init.scale)
-        elif kind == "normal":
-            out = z * xp.float32(init.scale)
-        else:
-            raise ValueError(f"unknown init kind {kind!r}")
-        out = out.astype(dtype)
-    return out.reshape(shape)
+    return _draw_flat(xp, init, key, shape, dtype, 0, math.prod(shape)).reshape(shape)
+
+
+HOST_CHUNK = 1 << 24  # elements drawn at once on the host: bounds the temporaries to a few hundred MB
 
 
 def draw_tensor(leaf: Leaf, seed: int, layer: int | None, expert: int | None) -> np.ndarray:
     """One release tensor on the host, as `make-checkpoint --seed` writes it."""
-    return draw(np, leaf.init, stream_key(np, seed, leaf, layer, expert), leaf.shape, leaf.dtype)
+    key = stream_key(np, seed, leaf, layer, expert)
+    n = math.prod(leaf.shape)
+    out = np.empty(n, leaf.dtype)
+    for start in range(0, n, HOST_CHUNK):
+        count = min(HOST_CHUNK, n - start)
+        out[start:start + count] = _draw_flat(np, leaf.init, key, leaf.shape, leaf.dtype, start, count)
+    return out.reshape(leaf.shape)
 
 
 def draw_leaf_host(leaf: Leaf, seed: int) -> np.ndarray:

@@ -11,31 +11,8 @@ import operator
 
 import regex
 
-from kimik3_jax.errors import TokenizerError
+from kimik3_jax.errors import TokenizerArgumentError, TokenizerError
 
-__all__ = [
-    "BOS_TOKEN",
-    "EOS_TOKEN",
-    "FIRST_SPECIAL_ID",
-    "MAX_ENCODE_CHARS",
-    "MAX_RUN_CHARS",
-    "MEDIA_PLACEHOLDER_TOKEN",
-    "NUM_SPECIAL_TOKENS",
-    "PAD_TOKEN",
-    "PAT_STR",
-    "REAL_NUM_BPE",
-    "REAL_VOCAB_SIZE",
-    "SPECIAL_TOKENS",
-    "TokenizerArgumentError",
-    "UNK_TOKEN",
-    "remap_special_id",
-    "reserved_token_name",
-    "split_pieces",
-]
-
-
-class TokenizerArgumentError(TokenizerError, ValueError):
-    """A tokenizer function was called with an argument it cannot use (the message names it)."""
 
 
 NUM_SPECIAL_TOKENS = 256
