@@ -287,8 +287,10 @@ def _parse_text(t: _Fields, top: _Fields, vision: VisionConfig | None, source) -
                      f"num_attention_heads = {heads} (MLA has one latent shared by all heads)")
 
     def token_id(name: str, default=dataclasses.MISSING):
-        where = t if name in t.data else top
-        return where.get(name, int, default)
+        copies = [f for f in (t, top) if f.data.get(name) is not None]
+        if len(copies) == 2 and t.data is not top.data and t.get(name, int) != top.get(name, int):
+            raise t.fail(name, f"= {t.data[name]} differs from the top-level {name} = {top.data[name]}")
+        return (copies[0] if copies else t).get(name, int, default)
 
     return ModelConfig(
         vocab_size=t.positive("vocab_size"),
@@ -355,6 +357,7 @@ def _parse_quant(t: _Fields, top: _Fields) -> QuantConfig:
     w.expect("type", ("float",))
     w.expect("strategy", ("group",))
     w.expect("symmetric", (True,))
+    w.expect("scale_dtype", ("torch.uint8",), default="torch.uint8")
     return QuantConfig(format=fmt, num_bits=w.expect("num_bits", (4,)), group_size=w.expect("group_size", (32,)))
 
 

@@ -25,13 +25,13 @@ _TINY_TEXT = {
     "vocab_size": 1024, "hidden_size": 192, "intermediate_size": 256,
     "num_attention_heads": 4, "num_key_value_heads": 4,
     "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 40,
-    "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 96, "routed_expert_hidden_size": 64,
+    "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 224, "routed_expert_hidden_size": 64,
     "attn_res_block_size": 3, "max_position_embeddings": 4096,
 }
 _TINY_LINEAR = {"num_heads": 4, "head_dim": 32}
 _TINY_VISION = {
     "vt_hidden_size": 64, "mm_hidden_size": 64, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 2,
-    "qkv_hidden_size": 64, "vt_intermediate_size": 128, "init_pos_emb_height": 8, "init_pos_emb_width": 8,
+    "qkv_hidden_size": 96, "vt_intermediate_size": 128, "init_pos_emb_height": 8, "init_pos_emb_width": 8,
     "text_hidden_size": 192,
 }
 
@@ -64,6 +64,8 @@ def derive(base: dict[str, Any], *, num_layers: int | None = None, text: dict | 
     tc.update(text or {})
     tc["linear_attn_config"].update(linear or {})
     if vision:
+        if "vision_config" not in out:
+            raise ConfigError("cannot override vision sizes: the config has no `vision_config`")
         out["vision_config"].update(vision)
     if num_layers is not None:
         tc["num_hidden_layers"] = num_layers

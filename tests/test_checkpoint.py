@@ -189,8 +189,9 @@ def _check_layout(d, cfg, num_shards):
     assert "language_model.lm_head.weight" in text
     # vision tensors are in the last shard(s)
     shard_no = {f: i for i, f in enumerate(files)}
-    assert max(shard_no[wm[n]] for n in text) <= min(shard_no[wm[n]] for n in vision)
-    assert shard_no[wm[vision[0]]] <= len(files) - 1 and files[-1] in {wm[n] for n in vision}
+    vision_shards = sorted({shard_no[wm[n]] for n in vision})
+    assert vision_shards == list(range(vision_shards[0], len(files)))  # a suffix of the shards
+    assert max(shard_no[wm[n]] for n in text) <= vision_shards[0]
     # tokenizer and config beside the weights
     assert (d / "tiktoken.model").is_file() and (d / "tokenizer_config.json").is_file()
     assert (d / CONFIG_FILE).is_file()
@@ -314,7 +315,6 @@ def test_init_params_traced_matches_host(cfg, host_params):
     traced = jax.jit(init_params_traced, static_argnums=(0, 1, 2))(cfg, SEED, False)
     got, want = _leaves(traced), _leaves(host_params(SEED))
     assert got.keys() == want.keys()
-    worst = 0
     for path, w in want.items():
         g = got[path]
         assert g.dtype == w.dtype and g.shape == w.shape, path
@@ -323,10 +323,6 @@ def test_init_params_traced_matches_host(cfg, host_params):
         else:
             d = _ulp_distance(g, w)
             assert d.max() <= 1, (path, int(d.max()))
-            worst = max(worst, int(d.max()))
-    # most float leaves are exact; 1 ulp is the documented tolerance, not the norm
-    exact = sum(got[p].tobytes() == want[p].tobytes() for p in want)
-    assert exact >= len(want) // 2
 
 
 def test_ulp_helper():
@@ -643,6 +639,24 @@ def test_clean_checkpoint_has_no_problems(tiny_ckpt, cfg):
     ck.check(cfg)
     ck.check(cfg, text_only=True)
     assert ck.config() == cfg
+
+
+def test_problems_is_repeatable(ckpt_copy, tiny_ckpt, cfg):
+    """problems() must not accumulate state: same answer twice, and a later check with the right
+    config is not polluted by an earlier check with a wrong one."""
+    _drop_tensor(ckpt_copy, FINAL_NORM, from_shard=False)
+    ck = Checkpoint(ckpt_copy)
+    first = list(ck.problems(cfg))  # a copy, in case problems() hands out shared state
+    assert len(first) == 2
+    assert ck.problems(cfg) == first
+    assert ck.problems(cfg, text_only=True) == first
+    ck = Checkpoint(tiny_ckpt)
+    wrong = preset("tiny", num_layers=4)
+    assert ck.problems(wrong)  # layers 4..7 are unexpected for a 4-layer config
+    with pytest.raises(CheckpointError):
+        ck.check(wrong)
+    assert ck.problems(cfg) == []
+    ck.check(cfg)
 
 
 def test_many_problems_are_all_counted(ckpt_copy, cfg):

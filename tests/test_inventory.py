@@ -203,7 +203,11 @@ def k3_got(k3_inventory):
 
 
 def as_dict(tensors) -> dict[str, tuple[tuple[int, ...], str]]:
-    got = {t.name: (tuple(t.shape), DTYPE_NAME[np.dtype(t.leaf.dtype)]) for t in tensors}
+    per_leaf = {}  # (shape, dtype) once per leaf: 497,220 tensors share a few hundred leaves
+    for t in tensors:
+        if id(t.leaf) not in per_leaf:
+            per_leaf[id(t.leaf)] = (tuple(t.shape), DTYPE_NAME[np.dtype(t.leaf.dtype)])
+    got = {t.name: per_leaf[id(t.leaf)] for t in tensors}
     assert len(got) == len(tensors), "duplicate tensor names in the inventory"
     return got
 
@@ -446,3 +450,14 @@ def test_tiny_structure_counts():
     assert ex.w1_packed.shape == (n - 1, E, F, L // 2)
     assert ex.w2_scale.shape == (n - 1, E, L, F // 32)
     assert params.abstract(cfg).text.kda.a_log.shape == (len(cfg.kda_layers), tc["linear_attn_config"]["head_dim"])
+
+
+def test_tiny_has_no_square_weight_the_release_lacks(k3_want):
+    """presets.py promises tiny widths differ so that a transposed weight cannot pass the loader:
+    a 2-D weight with equal dims must be square in the release too (mm_projector.proj.0)."""
+    release_square = {kind_of(n) for n, (s, _) in k3_want.items() if len(s) == 2 and s[0] == s[1]}
+    assert release_square == {"mm_projector.proj.{}.weight"}  # proj.0 [4096, 4096]
+    for name in ("tiny", "slice"):
+        want = expected_inventory(preset_dict(name))
+        square = {kind_of(n) for n, (s, _) in want.items() if len(s) == 2 and s[0] == s[1]}
+        assert square <= release_square, (name, sorted(square - release_square))

@@ -81,7 +81,8 @@ class Checkpoint:
 
     def problems(self, cfg: ModelConfig, text_only: bool = False) -> list[str]:
         """Every mismatch between this directory and the layout `cfg` implies (headers only)."""
-        headers, problems = self._headers
+        headers, shard_problems = self._headers
+        problems = list(shard_problems)  # a copy: the header problems are cached across calls
         expected = {t.name: t for t in inventory(cfg, text_only)}
         for name, t in expected.items():
             f = self.weight_map.get(name)
