@@ -79,15 +79,19 @@ def plan_shards(tensors: Iterable[Tensor], num_shards: int | None = None) -> lis
         raise CheckpointError(f"--shards {num_shards}: must be between 1 and {len(ordered)} for this model "
                               "(each layer's experts, each layer's other tensors and each global stay whole)")
     shards: list[list[Tensor]] = [[]]
-    left = total
+    left = total  # bytes not yet in a closed shard
     for i, unit in enumerate(ordered):
+        current = sum(t.nbytes for t in shards[-1])
+        more = sum(t.nbytes for t in unit)
+        open_after = num_shards - len(shards)  # shards still to open after the current one
+        if shards[-1] and open_after:
+            target = left / (open_after + 1)
+            # close the current shard if this unit fits better in the next one, or if every
+            # remaining unit is needed to fill the remaining shards
+            if len(ordered) - i == open_after or current + more - target > target - current:
+                left -= current
+                shards.append([])
         shards[-1].extend(unit)
-        size = sum(t.nbytes for t in shards[-1])
-        units_after, shards_after = len(ordered) - i - 1, num_shards - len(shards)
-        target = left / (num_shards - len(shards) + 1)
-        if shards_after and (size >= target or units_after == shards_after):
-            left -= size
-            shards.append([])
     return shards
 
 
