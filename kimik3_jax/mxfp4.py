@@ -72,14 +72,16 @@ def check_dtypes(name, packed, scale):
             raise MXFP4Error(f"{name}: {what} dtype: expected uint8, got {np.dtype(arr.dtype)}")
 
 
-def check_scales(name, scale):
-    """Raise MXFP4Error naming the first position of a scale byte 255 (NaN in E8M0), if any."""
+def check_scales(name, scale, offset=()):
+    """Raise MXFP4Error naming the first position of a scale byte 255 (NaN in E8M0), if any.
+    `offset` is where `scale` starts inside the whole tensor when it is a slice of it."""
     scale = np.asarray(scale)
     bad = np.argwhere(scale == 255)
     if len(bad):
-        pos = tuple(int(i) for i in bad[0])
+        start = tuple(offset) + (0,) * (scale.ndim - len(offset))
+        pos = tuple(int(i) + o for i, o in zip(bad[0], start))
         raise MXFP4Error(f"{name}: scale byte 255 (E8M0 NaN) at index {pos} "
-                         f"({len(bad)} such byte(s) in scale of shape {scale.shape})")
+                         f"({len(bad)} such byte(s) in the {scale.shape} block read)")
 
 
 def _unpack(xp, packed):

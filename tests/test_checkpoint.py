@@ -11,17 +11,19 @@ import jax
 import ml_dtypes  # noqa: F401  (safetensors' numpy backend needs it to read/write BF16)
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors.numpy import load_file, save_file
 
 from kimik3_jax.checkpoint import generate
 from kimik3_jax.checkpoint.generate import make_checkpoint
 from kimik3_jax.checkpoint.layout import (
-    CONFIG_FILE, INDEX_FILE, _unit_of, inventory, plan_shards, shard_name)
+    CONFIG_FILE, INDEX_FILE, Tensor, _unit_of, inventory, plan_shards, shard_name)
 from kimik3_jax.checkpoint.load import Checkpoint, load_params, summarize
 from kimik3_jax.checkpoint.safetensors_io import read_header
 from kimik3_jax.errors import CheckpointError, MXFP4Error
-from kimik3_jax.params import describe, init_params, init_params_traced, map_leaves, named_leaves
+from kimik3_jax.params import Init, Leaf, describe, init_params, init_params_traced, map_leaves, named_leaves
 from kimik3_jax.presets import preset, preset_dict
 
 SEED = 0
@@ -361,9 +363,48 @@ def test_plan_shards(cfg):
         sizes = [sum(t.nbytes for t in s) for s in plan_shards(tensors, n)]
         assert max(sizes) <= 2 * sum(sizes) / n, (n, sizes)
     assert len(plan_shards(tensors, None)) == 4
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("text_only", [False, True])
+def test_plan_shards_other_depths(num_layers, text_only):
+    tensors = inventory(preset("tiny", num_layers=num_layers), text_only)
+    n_units = len({_unit_of(t) for t in tensors})
+    for n in range(1, n_units + 1):
+        shards = plan_shards(tensors, n)
+        assert len(shards) == n and all(shards), (num_layers, n)
+        assert [t.name for s in shards for t in s] == [t.name for t in sorted(tensors, key=_unit_of)]
     for bad in (0, -1, n_units + 1, 1000):
         with pytest.raises(CheckpointError, match=rf"--shards {bad}\b.*between 1 and {n_units}"):
             plan_shards(tensors, bad)
+
+
+def _layer_units(sizes):
+    """One single-tensor unit per layer, of the given byte sizes (synthetic, for plan_shards)."""
+    out = []
+    for i, size in enumerate(sizes):
+        name = f"{L}{i}.x.weight"
+        leaf = Leaf(name, (size,), np.dtype(np.uint8), (None,), Init("bits"))
+        out.append(Tensor(name, leaf, f"x{i}", (), i, None))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=12), st.data())
+def test_plan_shards_any_sizes(sizes, data):
+    tensors = _layer_units(sizes)
+    n = data.draw(st.integers(1, len(sizes)))
+    shards = plan_shards(tensors, n)
+    assert len(shards) == n and all(shards)
+    assert [t.name for s in shards for t in s] == [t.name for t in tensors]
+
+
+def test_plan_shards_small_units_at_the_end():
+    # the last units are tiny: the plan must still open one shard per remaining unit
+    shards = plan_shards(_layer_units([1, 1, 100]), 3)
+    assert [[t.layer for t in s] for s in shards] == [[0], [1], [2]]
+    shards = plan_shards(_layer_units([100, 1, 1, 1]), 4)
+    assert [len(s) for s in shards] == [1, 1, 1, 1]
 
 
 def test_make_checkpoint_too_many_shards(tmp_path, cfg_dict):
@@ -774,3 +815,19 @@ def test_read_block_slices(tiny_ckpt, cfg, host_params):
                 assert ck.read_block(leaf, sl).tobytes() == full[sl].tobytes(), (path, sl)
     finally:
         ck.close()
+
+
+def test_scale_byte_255_position_in_a_sliced_read(ckpt_copy, cfg):
+    cols = cfg.moe.expert_width // 32
+    _poke(ckpt_copy, SCALE, 5 * cols + 1, bytes([255]))  # row 5, group 1
+    leaf = next(t.leaf for t in inventory(cfg) if t.name == SCALE)
+    ckpt = Checkpoint(ckpt_copy)
+    stack = tuple(slice(0, n) for n in leaf.stack_shape)
+    with pytest.raises(MXFP4Error, match=r"\(5, 1\)"):
+        ckpt.read_block(leaf, stack + (slice(4, 8), slice(None)))  # rows 4..7 hold the bad byte
+
+
+def test_stray_shard_is_a_problem(ckpt_copy, cfg):
+    shutil.copy(next(ckpt_copy.glob("model-*.safetensors")), ckpt_copy / "model-00009-of-000009.safetensors")
+    problems = Checkpoint(ckpt_copy).problems(cfg)
+    assert any("model-00009-of-000009.safetensors: shard not named by" in p for p in problems), problems

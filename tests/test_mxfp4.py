@@ -217,3 +217,10 @@ def test_check_scales():
     scale[1, 2, 3] = scale[1, 0, 1] = 255
     with pytest.raises(MXFP4Error, match=r"blk\.7\.scale.*\(1, 0, 1\)"):
         mxfp4.check_scales("blk.7.scale", scale)
+
+
+def test_check_scales_reports_position_in_the_whole_tensor():
+    block = np.full((3, 4), 127, np.uint8)
+    block[2, 1] = 255
+    with pytest.raises(MXFP4Error, match=r"w2\.weight_scale.*\(10, 5\)"):
+        mxfp4.check_scales("w2.weight_scale", block, offset=(8, 4))

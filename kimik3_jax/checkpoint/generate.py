@@ -43,17 +43,16 @@ def make_checkpoint(config: dict[str, Any], out: str | Path, *, seed: int = 0, n
     try:
         weight_map: dict[str, str] = {}
         total = sum(t.nbytes for t in tensors)
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}", disable=not progress)
-        for i, shard in enumerate(shards, start=1):
-            fname = shard_name(i, len(shards))
-            by_name = {t.name: t for t in shard}
-            with ShardWriter(tmp / fname, [(t.name, t.leaf.dtype, t.shape) for t in shard]) as writer:
-                for name in writer.order:
-                    t = by_name[name]
-                    writer.write(name, draw_tensor(t.leaf, seed, t.layer, t.expert))
-                    weight_map[name] = fname
-                    bar.update(t.nbytes)
-        bar.close()
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}", disable=not progress) as bar:
+            for i, shard in enumerate(shards, start=1):
+                fname = shard_name(i, len(shards))
+                by_name = {t.name: t for t in shard}
+                with ShardWriter(tmp / fname, [(t.name, t.leaf.dtype, t.shape) for t in shard]) as writer:
+                    for name in writer.order:
+                        t = by_name[name]
+                        writer.write(name, draw_tensor(t.leaf, seed, t.layer, t.expert))
+                        weight_map[name] = fname
+                        bar.update(t.nbytes)
         write_index(tmp, weight_map, total)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         write_small_tokenizer(tmp, cfg.vocab_size)

@@ -109,6 +109,8 @@ class Checkpoint:
                 problems.append(f"{self.dir / f}: {name} has no {scale} (orphan weight_packed)")
             else:
                 problems.append(f"{self.dir / f}: unexpected tensor {name} (not part of this config's layout)")
+        for stray in sorted(set(p.name for p in self.dir.glob("*.safetensors")) - set(self.files)):
+            problems.append(f"{self.dir / stray}: shard not named by {INDEX_FILE}")
         for f, header in headers.items():
             for name in header:
                 if self.weight_map.get(name) != f:
@@ -152,7 +154,7 @@ class Checkpoint:
         wanted = set(_product(outer))
         for pos, name in names:
             if pos in wanted:
-                rows.append((pos, _validated(leaf, name, self.read(name, inner))))
+                rows.append((pos, _validated(leaf, name, self.read(name, inner), inner)))
         block_shape = tuple(len(r) for r in outer) + _sliced_shape(leaf.shape, inner)
         out = np.empty(block_shape, leaf.dtype)
         offsets = [r.start for r in outer]
@@ -176,10 +178,10 @@ def _sliced_shape(shape: tuple[int, ...], inner: tuple[slice, ...]) -> tuple[int
     return tuple(len(range(*s.indices(n))) for s, n in zip(inner, shape))
 
 
-def _validated(leaf: Leaf, name: str, data: np.ndarray) -> np.ndarray:
+def _validated(leaf: Leaf, name: str, data: np.ndarray, inner: tuple[slice, ...]) -> np.ndarray:
     """Checks that need the bytes: MXFP4 scale bytes and the A_log zero padding."""
     if leaf.mx == "scale":
-        mxfp4.check_scales(name, data)
+        mxfp4.check_scales(name, data, offset=[s.indices(n)[0] for s, n in zip(inner, leaf.shape)])
     if leaf.init.kind == "alog" and data.shape[-1] == leaf.shape[-1]:
         pad = data[leaf.init.lo:]
         if np.any(pad != 0):

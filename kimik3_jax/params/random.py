@@ -4,7 +4,8 @@ Every release tensor draws from its own stream, keyed by (seed, leaf name, layer
 tensor has the same value whether it is drawn alone (checkpoint generation, on the host), inside a
 stacked host init, or inside a jitted, sharded init in device memory (vmapped over layers/experts).
 Integer-valued kinds (packed nibbles, scale bytes) are bit-identical across NumPy and XLA; float
-kinds can differ by an ulp where a backend rounds a transcendental differently.
+kinds can differ by one ulp of their dtype (XLA may fold the two constant multiplies into one, and
+backends round `log` differently). The host values are the reference: checkpoints use them.
 
 Why not `jax.random`: threefry programs cost ~0.3 s of XLA compilation per distinct tensor shape on
 the CPU, which made a few-MB checkpoint take half a minute; this generator is a handful of integer
