@@ -290,3 +290,21 @@ def test_bad_arguments(tok, tmp_path):
     assert tok.decode([tok.eos_id]) == "<|end_of_msg|>"
     with pytest.raises(TokenizerArgumentError, match="text must be a str"):
         tok.encode(b"bytes")
+
+
+def test_generated_release_size_vocabulary(tmp_path):
+    # make-checkpoint of `slice`/`k3` writes a tokenizer with the release's 163,584 BPE ranks: the
+    # corpus merges, then filler tokens that UTF-8 text can never produce (they start with 0xFF).
+    small = K3Tokenizer.from_dir(write_small_tokenizer(tmp_path / "small", 4096))
+    tok = K3Tokenizer.from_dir(write_small_tokenizer(tmp_path / "real", REAL_VOCAB_SIZE))
+    assert (tok.vocab_size, tok.num_bpe_tokens) == (REAL_VOCAB_SIZE, REAL_NUM_BPE)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.media_placeholder_id) == (163584, 163586, 163839, 163605)
+    text = "Hello world, 你好世界 <|open|> ünïcödé 12345 \n\n  x"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert max(ids) < REAL_NUM_BPE
+    filler = tok.token_bytes(REAL_NUM_BPE - 1)
+    assert filler[0] == 0xFF and len(filler) == 4
+    # The merges the corpus supports are the same as a smaller vocabulary's (a prefix of the ranks).
+    assert [tok.token_bytes(i) for i in range(small.num_bpe_tokens)] == [
+        small.token_bytes(i) for i in range(small.num_bpe_tokens)]

@@ -40,7 +40,9 @@ def make_checkpoint(config: dict[str, Any], out: str | Path, *, seed: int = 0, n
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    try:
+    try:  # the cheap files first, so that a problem with them shows before hours of tensor writing
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        write_small_tokenizer(tmp, cfg.vocab_size)
         weight_map: dict[str, str] = {}
         total = sum(t.nbytes for t in tensors)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}", disable=not progress) as bar:
@@ -54,8 +56,6 @@ def make_checkpoint(config: dict[str, Any], out: str | Path, *, seed: int = 0, n
                         weight_map[name] = fname
                         bar.update(t.nbytes)
         write_index(tmp, weight_map, total)
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        write_small_tokenizer(tmp, cfg.vocab_size)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         tmp.rename(out)

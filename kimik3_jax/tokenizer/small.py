@@ -61,7 +61,8 @@ def _merge_word(word: list[int], a: int, b: int, new: int) -> list[int]:
 def train_bpe(counts: dict[bytes, int], n_merges: int) -> list[bytes]:
     """Byte-level BPE: starting from the 256 bytes, repeatedly merge the most frequent adjacent
     pair (ties: the pair of lowest ids) until `n_merges` new tokens exist. Returns all tokens in
-    rank order. A merge whose bytes already form a token reuses it and adds no rank."""
+    rank order. A merge whose bytes already form a token reuses it and adds no rank. Stops early
+    when no pair is left."""
     tokens = [bytes([b]) for b in range(256)]
     index = {t: i for i, t in enumerate(tokens)}
     words = [list(w) for w in sorted(counts)]
@@ -77,10 +78,7 @@ def train_bpe(counts: dict[bytes, int], n_merges: int) -> list[bytes]:
     target = 256 + n_merges
     while len(tokens) < target:
         if not heap:
-            raise TokenizerArgumentError(
-                f"write_small_tokenizer: the built-in corpus has only {len(tokens) - 256} merges; "
-                f"vocab_size must be at most {len(tokens) + NUM_SPECIAL_TOKENS}"
-            )
+            break  # the corpus has no pair left to merge; the caller fills the remaining ranks
         neg, pair = heapq.heappop(heap)
         if pair_count.get(pair, 0) != -neg:
             continue  # stale entry; the current count has its own entry
@@ -149,7 +147,12 @@ def write_small_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int) -> P
             f"write_small_tokenizer: vocab_size={vocab_size} is too small; it needs at least "
             f"{MIN_SMALL_VOCAB_SIZE} (256 byte tokens, 128 merges, {NUM_SPECIAL_TOKENS} special ids)"
         )
-    tokens = train_bpe(_corpus_counts(), vocab_size - NUM_SPECIAL_TOKENS - 256)
+    n_bpe = vocab_size - NUM_SPECIAL_TOKENS
+    tokens = train_bpe(_corpus_counts(), n_bpe - 256)
+    # Past the merges the corpus supports (large vocabularies such as the release's 163,584 ranks),
+    # fill with 4-byte tokens starting with 0xFF: no UTF-8 text contains that byte, so BPE never
+    # produces them and encoding is unchanged; they only make the vocabulary the size the config says.
+    tokens += [b"\xff" + i.to_bytes(3, "big") for i in range(n_bpe - len(tokens))]
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     lines = b"".join(
