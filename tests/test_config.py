@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import dataclasses
 import json
-from pathlib import Path
+from importlib import resources
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ from kimik3_jax.presets import (
     PRESETS, derive, k3_layer_lists, preset, preset_dict, release_dict, resolve,
 )
 
-SHARED_CONFIG = Path("/work/shared/k3/config.json")
+# sha256 of the release config.json (shared/k3/config.json, checked byte for byte when it was bundled)
+RELEASE_CONFIG_SHA256 = "a33a039e0c6f7d7813d91246f41cf45ffaffc8f66a2b4d9ca3edae660ccf5995"
 RELEASE_VOCAB = 163840
 RELEASE_SPECIAL = {"bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
                    "media_placeholder_token_id": 163605}
@@ -56,9 +58,9 @@ def both_quant(data: dict) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 def test_bundled_config_is_the_release_file():
-    if not SHARED_CONFIG.is_file():
-        pytest.skip("shared release config.json not present")
-    assert release() == json.loads(SHARED_CONFIG.read_text())
+    data = resources.files("kimik3_jax").joinpath("configs/k3.json").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == RELEASE_CONFIG_SHA256
+    assert release() == json.loads(data)
 
 
 def test_release_layer_kinds(k3):

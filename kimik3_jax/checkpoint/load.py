@@ -27,7 +27,7 @@ from kimik3_jax.checkpoint.layout import CONFIG_FILE, INDEX_FILE, inventory
 from kimik3_jax.checkpoint.safetensors_io import NUMPY_TO_SAFETENSORS, TensorInfo, read_header
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.errors import CheckpointError
-from kimik3_jax.params import Leaf, Params, describe, map_leaves, named_leaves
+from kimik3_jax.params import Leaf, Params, describe, map_leaves
 
 MAX_LISTED = 20  # problems listed in an error message; the count says how many more
 

@@ -11,7 +11,7 @@ import operator
 
 import regex
 
-from kimik3_jax.errors import TokenizerArgumentError, TokenizerError
+from kimik3_jax.errors import TokenizerArgumentError
 
 
 
