@@ -490,11 +490,12 @@ def test_unsupported_use_full_rank_gate():
     refused(d, "`text_config.linear_attn_config.use_full_rank_gate`", "not supported")
 
 
-def test_unsupported_quant_format():
+@pytest.mark.parametrize("key,value", [("format", "nvfp4-pack-quantized"), ("quant_method", "gptq")])
+def test_unsupported_quant_setting(key, value):
     d = release()
     for q in both_quant(d):
-        q["format"] = "nvfp4-pack-quantized"
-    refused(d, "`text_config.quantization_config.format`", "not supported")
+        q[key] = value
+    refused(d, f"`text_config.quantization_config.{key}`", "not supported")
 
 
 def test_unsupported_group_format():
@@ -522,13 +523,6 @@ def test_unsupported_quant_weights(key, value):
     for q in both_quant(d):
         q["config_groups"]["group_0"]["weights"][key] = value
     refused(d, f"`text_config.quantization_config.config_groups.group_0.weights.{key}`", "not supported")
-
-
-def test_unsupported_quant_method():
-    d = release()
-    for q in both_quant(d):
-        q["quant_method"] = "gptq"
-    refused(d, "`text_config.quantization_config.quant_method`", "not supported")
 
 
 def test_true_is_not_one():
