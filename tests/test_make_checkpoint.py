@@ -4,7 +4,10 @@ traced init, and safety of the output directory (overwrite, failure midway).
 The tiny checkpoint is generated once per session (conftest.py).
 """
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -290,3 +293,19 @@ def test_failure_midway_keeps_old_checkpoint(ckpt_copy, cfg_dict, monkeypatch):
         make_checkpoint(cfg_dict, ckpt_copy, seed=3, overwrite=True, progress=False)
     assert _dir_bytes(ckpt_copy) == before
     assert sorted(p.name for p in ckpt_copy.parent.iterdir()) == ["ckpt"]
+
+
+def test_killed_run_leftovers_are_removed_by_the_next_run(tmp_path, cfg_dict):
+    # A run killed with SIGKILL cannot clean up: its temp dir names a process that no longer exists.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "ck"
+    abandoned = tmp_path / f".ck.partial-{dead.pid}"
+    (abandoned / "sub").mkdir(parents=True)
+    (abandoned / "model-00001-of-000004.safetensors.partial").write_bytes(b"half")
+    alive = tmp_path / f".ck.partial-{os.getpid()}x"  # not a pid: left alone
+    alive.mkdir()
+    make_checkpoint(cfg_dict, out, seed=SEED, progress=False)
+    assert not abandoned.exists()
+    assert alive.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", alive.name])

@@ -37,6 +37,7 @@ def make_checkpoint(config: dict[str, Any], out: str | Path, *, seed: int = 0, n
     tensors = inventory(cfg)
     shards = plan_shards(tensors, num_shards)
 
+    _remove_abandoned(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -63,3 +64,23 @@ def make_checkpoint(config: dict[str, Any], out: str | Path, *, seed: int = 0, n
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Delete temporary directories that a killed earlier run left beside `out` (their process is gone)."""
+    if not out.parent.is_dir():
+        return
+    for tmp in out.parent.glob(f".{out.name}.partial-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
