@@ -23,7 +23,9 @@ from kimik3_jax.checkpoint.load import Checkpoint, load_params
 from kimik3_jax.checkpoint.safetensors_io import read_header
 from kimik3_jax.errors import CheckpointError
 from kimik3_jax.params import describe, init_params_traced, named_leaves
-from kimik3_jax.presets import preset
+from kimik3_jax.config import ModelConfig
+from kimik3_jax.params import init_params
+from kimik3_jax.presets import derive, preset, preset_dict
 
 
 def _ulp_distance(a, b):
@@ -309,3 +311,21 @@ def test_killed_run_leftovers_are_removed_by_the_next_run(tmp_path, cfg_dict):
     assert not abandoned.exists()
     assert alive.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", alive.name])
+
+
+@pytest.mark.parametrize("layers, text", [
+    (1, {"attn_res_block_size": 1}),
+    (5, {"num_experts": 8, "num_experts_per_token": 8, "first_k_dense_replace": 2, "moe_layer_freq": 2}),
+    (13, {"attn_res_block_size": 5, "first_k_dense_replace": 0, "latent_moe_use_norm": False}),
+])
+def test_round_trip_at_other_sizes(tmp_path, layers, text):
+    config = derive(preset_dict("tiny"), num_layers=layers, text=text)
+    out = make_checkpoint(config, tmp_path / "ck", seed=3, text_only=True, progress=False)
+    cfg = Checkpoint(out).config()
+    assert cfg.vision is None and cfg == ModelConfig.from_dict({k: v for k, v in config.items() if k != "vision_config"})
+    assert Checkpoint(out).problems(cfg) == []
+    got, want = _leaves(load_params(out)), _leaves(init_params(cfg, 3, text_only=True))
+    assert got.keys() == want.keys()
+    for path in want:
+        assert got[path].shape == want[path].shape, path
+        assert np.asarray(got[path]).tobytes() == np.asarray(want[path]).tobytes(), path
