@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,26 +21,15 @@ def _human(n: float) -> str:
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from kimik3_jax.checkpoint.generate import make_checkpoint
-    from kimik3_jax.checkpoint.layout import inventory
-    from kimik3_jax.config import ModelConfig
+    from kimik3_jax.checkpoint.load import Checkpoint
     from kimik3_jax.presets import config_dict
 
-    config = config_dict(args.preset, args.layers)
-    if args.text_only:
-        config.pop("vision_config", None)
-    cfg = ModelConfig.from_dict(config, origin=args.preset)
-    total = sum(t.nbytes for t in inventory(cfg))
-    out = Path(args.out)
-    probe = out if out.exists() else out.parent
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if total > free:
-        raise K3Error(f"--out {out}: the checkpoint needs {_human(total)} but only {_human(free)} is free there")
-    print(cfg.summary())
-    make_checkpoint(config, out, seed=args.seed, num_shards=args.shards, text_only=args.text_only,
-                    overwrite=args.overwrite, progress=not args.quiet)
-    print(f"wrote {out} ({_human(total)} of tensors, seed {args.seed})")
+    out = make_checkpoint(config_dict(args.preset, args.layers), args.out, seed=args.seed,
+                          num_shards=args.shards, text_only=args.text_only, overwrite=args.overwrite,
+                          progress=not args.quiet)
+    ckpt = Checkpoint(out)
+    print(f"{ckpt.config().summary()}\nwrote {out} ({_human(ckpt.total_size)} of tensors in "
+          f"{len(ckpt.files)} shards, seed {args.seed})")
     return 0
 
 

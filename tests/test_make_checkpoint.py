@@ -329,3 +329,14 @@ def test_round_trip_at_other_sizes(tmp_path, layers, text):
     for path in want:
         assert got[path].shape == want[path].shape, path
         assert np.asarray(got[path]).tobytes() == np.asarray(want[path]).tobytes(), path
+
+
+def test_refuses_when_the_disk_is_too_small(tmp_path, cfg_dict, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(generate.shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 1000, 1000))
+    out = tmp_path / "deep" / "ck"  # a parent that does not exist yet is probed through its ancestors
+    with pytest.raises(CheckpointError, match=re.escape(str(out)) + r".*only 0\.00 GB is free"):
+        make_checkpoint(cfg_dict, out, seed=SEED, progress=False)
+    assert list(tmp_path.iterdir()) == []

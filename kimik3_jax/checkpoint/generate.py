@@ -36,6 +36,8 @@ def make_checkpoint(config: dict[str, Any], out: str | Path, *, seed: int = 0, n
         raise CheckpointError(f"{out}: already exists and is not empty (pass --overwrite to replace it)")
     tensors = inventory(cfg)
     shards = plan_shards(tensors, num_shards)
+    total = sum(t.nbytes for t in tensors)
+    _check_free_space(out, total)
 
     _remove_abandoned(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -45,7 +47,6 @@ def make_checkpoint(config: dict[str, Any], out: str | Path, *, seed: int = 0, n
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         write_small_tokenizer(tmp, cfg.vocab_size)
         weight_map: dict[str, str] = {}
-        total = sum(t.nbytes for t in tensors)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}", disable=not progress) as bar:
             for i, shard in enumerate(shards, start=1):
                 fname = shard_name(i, len(shards))
@@ -64,6 +65,16 @@ def make_checkpoint(config: dict[str, Any], out: str | Path, *, seed: int = 0, n
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_free_space(out: Path, needed: int) -> None:
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise CheckpointError(f"{out}: the checkpoint needs {needed / 1e9:.2f} GB of tensors, "
+                              f"but only {free / 1e9:.2f} GB is free there")
 
 
 def _remove_abandoned(out: Path) -> None:

@@ -11,6 +11,7 @@ run on the bytes as they are read; an error leaves nothing half-loaded behind.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from functools import cached_property
@@ -149,28 +150,16 @@ class Checkpoint:
         stack = leaf.stack_shape
         outer = [range(*s.indices(n)) for s, n in zip(index, stack)]
         inner = tuple(index[len(stack):])
-        rows = []
-        names = [(i, name) for i, name, _, _ in leaf.tensors()]
-        wanted = set(_product(outer))
-        for pos, name in names:
+        wanted = set(itertools.product(*outer))
+        out = np.empty(tuple(len(r) for r in outer) + _sliced_shape(leaf.shape, inner), leaf.dtype)
+        for pos, name, _, _ in leaf.tensors():
             if pos in wanted:
-                rows.append((pos, _validated(leaf, name, self.read(name, inner), inner)))
-        block_shape = tuple(len(r) for r in outer) + _sliced_shape(leaf.shape, inner)
-        out = np.empty(block_shape, leaf.dtype)
-        offsets = [r.start for r in outer]
-        for pos, data in rows:
-            out[tuple(p - o for p, o in zip(pos, offsets))] = data
+                at = tuple(p - r.start for p, r in zip(pos, outer))
+                out[at] = _validated(leaf, name, self.read(name, inner), inner)
         return out
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def _product(ranges: list[range]) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()]
-    for r in ranges:
-        out = [p + (i,) for p in out for i in r]
-    return out
 
 
 def _sliced_shape(shape: tuple[int, ...], inner: tuple[slice, ...]) -> tuple[int, ...]:
