@@ -4,6 +4,7 @@
 `write_small_tokenizer(out_dir, vocab_size)` writes a small vocabulary in the same formats.
 """
 
+from kimik3_jax.errors import TokenizerArgumentError
 from kimik3_jax.tokenizer.small import MIN_SMALL_VOCAB_SIZE, train_bpe, write_small_tokenizer
 from kimik3_jax.tokenizer.special import (
     BOS_TOKEN,
@@ -20,7 +21,6 @@ from kimik3_jax.tokenizer.special import (
     REAL_VOCAB_SIZE,
     SPECIAL_TOKENS,
     UNK_TOKEN,
-    TokenizerArgumentError,
     remap_special_id,
     reserved_token_name,
     split_pieces,

@@ -15,12 +15,12 @@ from collections import Counter
 from pathlib import Path
 
 from kimik3_jax.tokenizer.corpus import BASE_TEXT, synthetic_text
+from kimik3_jax.errors import TokenizerArgumentError
 from kimik3_jax.tokenizer.special import (
-    FIRST_SPECIAL_ID,
     NUM_SPECIAL_TOKENS,
     SPECIAL_TOKENS,
-    TokenizerArgumentError,
     _require_int,
+    remap_special_id,
     split_pieces,
 )
 from kimik3_jax.tokenizer.tokenizer import CONFIG_FILE, MODEL_FILE
@@ -114,8 +114,7 @@ def train_bpe(counts: dict[bytes, int], n_merges: int) -> list[bytes]:
 
 
 def _config(vocab_size: int) -> dict:
-    base = vocab_size - NUM_SPECIAL_TOKENS
-    ids = {name: base + (real - FIRST_SPECIAL_ID) for name, real in SPECIAL_TOKENS.items()}
+    ids = {name: remap_special_id(real, vocab_size) for name, real in SPECIAL_TOKENS.items()}
     added = {
         str(i): {
             "content": name,

@@ -14,7 +14,6 @@ import regex
 from kimik3_jax.errors import TokenizerArgumentError
 
 
-
 NUM_SPECIAL_TOKENS = 256
 REAL_NUM_BPE = 163_584
 FIRST_SPECIAL_ID = REAL_NUM_BPE

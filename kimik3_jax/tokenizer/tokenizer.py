@@ -12,7 +12,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from kimik3_jax.errors import TokenizerError
+from kimik3_jax.errors import TokenizerArgumentError, TokenizerError
 from kimik3_jax.tokenizer.special import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -23,7 +23,6 @@ from kimik3_jax.tokenizer.special import (
     PAD_TOKEN,
     PAT_STR,
     UNK_TOKEN,
-    TokenizerArgumentError,
     _require_int,
     reserved_token_name,
 )
