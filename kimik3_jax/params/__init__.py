@@ -24,7 +24,7 @@ from kimik3_jax.params.tree import (
 __all__ = [
     "Init", "Leaf", "Params", "TextParams", "VisionParams", "VisionBlocks", "LayerNorms", "KDAParams",
     "MLAParams", "MLPParams", "MoEParams", "ExpertParams", "describe", "abstract", "init_params",
-    "param_count", "named_leaves", "map_leaves", "iter_tensors", "draw_tensor", "init_params_traced",
+    "param_count", "named_leaves", "map_leaves", "draw_tensor", "init_params_traced",
 ]
 
 
@@ -73,10 +73,3 @@ def param_count(cfg: ModelConfig, *, experts: bool | None = None, vision: bool =
         if experts is None or experts == (leaf.mx is not None):
             total += leaf.num_params
     return total
-
-
-def iter_tensors(spec: Params) -> Iterator[tuple[str, Leaf, tuple[int, ...]]]:
-    """(release name, leaf, index in the leaf's stack) of every release tensor, in tree order."""
-    for _, leaf in named_leaves(spec):
-        for index, name, _, _ in leaf.tensors():
-            yield name, leaf, index

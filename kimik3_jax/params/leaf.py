@@ -66,10 +66,6 @@ class Leaf:
         return lead + self.axes
 
     @property
-    def num_tensors(self) -> int:
-        return math.prod(self.stack_shape)
-
-    @property
     def tensor_bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
