@@ -17,13 +17,13 @@ from kimik3_jax.config import ModelConfig
 from kimik3_jax.params.leaf import Init, Leaf
 from kimik3_jax.params.random import draw_leaf_host, draw_leaf_traced, draw_tensor
 from kimik3_jax.params.tree import (
-    ExpertParams, KDAParams, LayerNorms, MLAParams, MLPParams, MoEParams, Params, TextParams,
+    DenseExpertParams, ExpertParams, KDAParams, LayerNorms, MLAParams, MLPParams, MoEParams, Params, TextParams,
     VisionBlocks, VisionParams, describe,
 )
 
 __all__ = [
     "Init", "Leaf", "Params", "TextParams", "VisionParams", "VisionBlocks", "LayerNorms", "KDAParams",
-    "MLAParams", "MLPParams", "MoEParams", "ExpertParams", "describe", "abstract", "init_params",
+    "MLAParams", "MLPParams", "MoEParams", "ExpertParams", "DenseExpertParams", "describe", "abstract", "init_params",
     "param_count", "named_leaves", "map_leaves", "draw_tensor", "init_params_traced",
 ]
 

@@ -79,6 +79,13 @@ class ExpertParams:  # MXFP4, packed as released, stacked [layers, experts, ...]
 
 
 @struct.dataclass
+class DenseExpertParams:  # experts dequantised for research use (`kimik3 convert --dequantize bf16`)
+    w1: object  # [layers, experts, expert_width, latent_width] (gate)
+    w3: object  # same (up)
+    w2: object  # [layers, experts, latent_width, expert_width] (down)
+
+
+@struct.dataclass
 class MoEParams:
     router: object
     router_bias: object  # e_score_correction_bias: selection only
@@ -86,7 +93,7 @@ class MoEParams:
     latent_norm: object
     latent_up: object
     shared: MLPParams
-    experts: ExpertParams
+    experts: ExpertParams  # or DenseExpertParams
 
 
 @struct.dataclass

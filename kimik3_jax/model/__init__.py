@@ -1,0 +1,29 @@
+"""The K3 text model as pure functions (SPEC sections 4-9).
+
+    state = init_state(cfg, batch, max_len, dtype)                 # DecodeState, fixed shapes
+    logits, state = prefill(params, cfg, tokens, lengths, state)   # tokens [B, T] int32 right-padded,
+                                                                   # lengths [B]; logits [B, T, V] fp32
+    logits, state = decode_step(params, cfg, state, tokens)        # tokens [B]; logits [B, V] fp32
+    params = cast_params(params, jnp.float64)                      # the precision of every op follows
+
+`cfg` is static (hashable); jit with `jax.jit(prefill, static_argnums=1)`. The compute dtype is the
+dtype of the embedding table: bfloat16 is the production policy (SPEC section 8), float32 and float64
+run every op in that dtype.
+"""
+
+from kimik3_jax.model.state import DecodeState, KDAState, MLACache, init_state, state_bytes, state_shapes
+
+__all__ = ["DecodeState", "KDAState", "MLACache", "init_state", "state_bytes", "state_shapes",
+           "prefill", "decode_step", "cast_params"]
+
+
+def prefill(params, cfg, tokens, lengths, state):  # replaced by kimik3_jax.model.forward
+    raise NotImplementedError
+
+
+def decode_step(params, cfg, state, tokens):  # replaced by kimik3_jax.model.forward
+    raise NotImplementedError
+
+
+def cast_params(params, dtype):  # replaced by kimik3_jax.model.forward
+    raise NotImplementedError
