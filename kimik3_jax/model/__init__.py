@@ -11,19 +11,8 @@ dtype of the embedding table: bfloat16 is the production policy (SPEC section 8)
 run every op in that dtype.
 """
 
+from kimik3_jax.model.forward import cast_params, decode_step, prefill
 from kimik3_jax.model.state import DecodeState, KDAState, MLACache, init_state, state_bytes, state_shapes
 
 __all__ = ["DecodeState", "KDAState", "MLACache", "init_state", "state_bytes", "state_shapes",
            "prefill", "decode_step", "cast_params"]
-
-
-def prefill(params, cfg, tokens, lengths, state):  # replaced by kimik3_jax.model.forward
-    raise NotImplementedError
-
-
-def decode_step(params, cfg, state, tokens):  # replaced by kimik3_jax.model.forward
-    raise NotImplementedError
-
-
-def cast_params(params, dtype):  # replaced by kimik3_jax.model.forward
-    raise NotImplementedError
