@@ -1,0 +1,94 @@
+"""`kimik3 logits`: the logits of one token sequence from a checkpoint directory, in a chosen precision."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kimik3_jax.errors import K3Error
+
+DTYPES = ("bfloat16", "float32", "float64")
+
+
+def parse_tokens(text: str, origin: str) -> list[int]:
+    """Token ids written as `1,2,3`, whitespace-separated, or a JSON list; `origin` names the source."""
+    text = text.strip()
+    try:
+        values = json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
+    except ValueError as e:
+        raise K3Error(f"{origin}: token ids must be integers separated by commas or spaces ({e})") from None
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise K3Error(f"{origin}: expected a list of integer token ids")
+    if not values:
+        raise K3Error(f"{origin}: no token ids")
+    return values
+
+
+def read_tokens_file(path: str | Path) -> list[int]:
+    path = Path(path)
+    if path.suffix == ".npy":
+        try:
+            arr = np.load(path)
+        except (OSError, ValueError) as e:
+            raise K3Error(f"{path}: cannot read token ids ({e})") from None
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise K3Error(f"{path}: expected a 1-D integer array of token ids, got {arr.dtype} {arr.shape}")
+        return [int(v) for v in arr]
+    try:
+        return parse_tokens(path.read_text(), str(path))
+    except OSError as e:
+        raise K3Error(f"{path}: cannot read token ids ({e.strerror})") from None
+
+
+def check_tokens(tokens: list[int], vocab_size: int, max_len: int, origin: str) -> None:
+    bad = [(i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab_size]
+    if bad:
+        i, t = bad[0]
+        raise K3Error(f"{origin}: token {t} at position {i} is outside the vocabulary [0, {vocab_size})"
+                      + (f" ({len(bad)} such tokens)" if len(bad) > 1 else ""))
+    if len(tokens) > max_len:
+        raise K3Error(f"{origin}: {len(tokens)} tokens exceed max_position_embeddings = {max_len}")
+
+
+def sequence_logits(directory: str | Path, tokens: list[int], dtype: str = "bfloat16", origin: str = "--tokens"):
+    """Logits [T, vocab] of one sequence (float32, or float64 with dtype float64)."""
+    if dtype not in DTYPES:
+        raise K3Error(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    import jax
+
+    with jax.enable_x64(dtype == "float64"):  # scoped: float64 arrays only inside this call
+        return _logits(directory, tokens, dtype, origin)
+
+
+def _logits(directory, tokens, dtype, origin):
+    import jax
+    import jax.numpy as jnp
+
+    from kimik3_jax.checkpoint.open import load_checkpoint
+    from kimik3_jax.model import cast_params, init_state, prefill
+
+    cfg, params = load_checkpoint(directory, text_only=True)
+    check_tokens(tokens, cfg.vocab_size, cfg.max_position_embeddings, origin)
+    params = cast_params(params, jnp.dtype(dtype))
+    state = init_state(cfg, 1, len(tokens), jnp.dtype(dtype))
+    run = jax.jit(prefill, static_argnums=1)
+    logits, _ = run(params, cfg, jnp.asarray([tokens], jnp.int32), jnp.asarray([len(tokens)], jnp.int32), state)
+    return np.asarray(logits[0])
+
+
+def save_npy(path: str | Path, array: np.ndarray) -> None:
+    """Write atomically: a reader never sees a partial file at `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
