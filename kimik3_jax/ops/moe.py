@@ -59,8 +59,11 @@ def routed_experts(xl: jax.Array, idx: jax.Array, weights: jax.Array, experts, b
     rd = lambda lhs, w: jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=acc,  # noqa: E731
                                            precision=HIGHEST)
     h = situ(rd(xs, w1), rd(xs, w3), beta, linear_beta).astype(act)
-    y = rd(h, w2) * weights.reshape(-1)[order][:, None].astype(acc)
-    return jax.ops.segment_sum(y, tokens, num_segments=xl.shape[0])
+    y = rd(h, w2)
+    # Back to [N, k] pair order with a gather (not a scatter-add, whose atomics sum in a run-dependent
+    # order on GPUs): each token's k contributions are combined in its top-k order, deterministically.
+    y = y[jnp.argsort(order)].reshape(*idx.shape, -1)
+    return jnp.einsum("nk,nkl->nl", weights.astype(acc), y, precision=HIGHEST)
 
 
 def latent_moe(x: jax.Array, p, cfg: ModelConfig) -> jax.Array:
