@@ -48,22 +48,44 @@ def dispatch(idx: jax.Array, num_experts: int):
     return order, tokens, sizes
 
 
+def _select(experts, ids):
+    """The experts `ids` [P] of a layer (packed or dense), one per token/expert pair."""
+    return jax.tree_util.tree_map(lambda a: a[ids], experts)
+
+
 def routed_experts(xl: jax.Array, idx: jax.Array, weights: jax.Array, experts, beta: float,
-                   linear_beta: float) -> jax.Array:
+                   linear_beta: float, strategy: str = "auto") -> jax.Array:
     """sum_e w_e SiTU(xl W1_e^T, xl W3_e^T) W2_e^T over each token's chosen experts, in the
-    accumulation dtype. xl [N, L] (activation dtype), idx/weights [N, k] -> [N, L]."""
+    accumulation dtype. xl [N, L] (activation dtype), idx/weights [N, k] -> [N, L]. Dropless either way:
+
+    - "sorted": pairs sorted by expert, every expert decoded once, `lax.ragged_dot` per group;
+    - "gathered": each pair gathers and decodes its own expert (weight streaming: only the chosen
+      experts are read, which is what a few decode tokens want);
+    - "auto": "gathered" when there are fewer pairs than experts, else "sorted".
+    Each token's k contributions are combined in its top-k order (a gather, never a scatter-add, whose
+    GPU atomics would sum in a run-dependent order)."""
     act, acc = xl.dtype, acc_dtype(xl.dtype)
-    w1, w3, w2 = expert_weights(experts, act)
-    order, tokens, sizes = dispatch(idx, w1.shape[0])
-    xs = xl[tokens]  # [N*k, L]
-    rd = lambda lhs, w: jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=acc,  # noqa: E731
-                                           precision=HIGHEST)
-    h = situ(rd(xs, w1), rd(xs, w3), beta, linear_beta).astype(act)
-    y = rd(h, w2)
-    # Back to [N, k] pair order with a gather (not a scatter-add, whose atomics sum in a run-dependent
-    # order on GPUs): each token's k contributions are combined in its top-k order, deterministically.
-    y = y[jnp.argsort(order)].reshape(*idx.shape, -1)
-    return jnp.einsum("nk,nkl->nl", weights.astype(acc), y, precision=HIGHEST)
+    n, k = idx.shape
+    num_experts = (experts.w1_packed if hasattr(experts, "w1_packed") else experts.w1).shape[0]
+    if strategy == "auto":
+        strategy = "gathered" if n * k < num_experts else "sorted"
+    if strategy == "gathered":
+        w1, w3, w2 = expert_weights(_select(experts, idx.reshape(-1)), act)  # [P, F, L], [P, L, F]
+        xs = jnp.repeat(xl, k, axis=0)
+        mm = lambda a, w: jnp.einsum("pi,poi->po", a, w, preferred_element_type=acc, precision=HIGHEST)  # noqa: E731
+        h = situ(mm(xs, w1), mm(xs, w3), beta, linear_beta).astype(act)
+        y = mm(h, w2)
+    elif strategy == "sorted":
+        w1, w3, w2 = expert_weights(experts, act)
+        order, tokens, sizes = dispatch(idx, num_experts)
+        xs = xl[tokens]  # [N*k, L]
+        rd = lambda a, w: jax.lax.ragged_dot(a, jnp.swapaxes(w, 1, 2), sizes,  # noqa: E731
+                                             preferred_element_type=acc, precision=HIGHEST)
+        h = situ(rd(xs, w1), rd(xs, w3), beta, linear_beta).astype(act)
+        y = rd(h, w2)[jnp.argsort(order)]  # back to [N*k] pair order
+    else:
+        raise ValueError(f"strategy must be 'auto', 'sorted' or 'gathered', got {strategy!r}")
+    return jnp.einsum("nk,nkl->nl", weights.astype(acc), y.reshape(n, k, -1), precision=HIGHEST)
 
 
 def latent_moe(x: jax.Array, p, cfg: ModelConfig) -> jax.Array:
