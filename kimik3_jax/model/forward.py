@@ -18,10 +18,6 @@ def _text(params):
     return params.text if hasattr(params, "text") else params
 
 
-def _take(tree, i: int):
-    return jax.tree_util.tree_map(lambda a: a[i], tree)
-
-
 def cast_params(params, dtype):
     """Every floating leaf in `dtype` (float32/float64 run every op in that dtype); packed expert bytes
     stay uint8 and decode exactly into the compute dtype. bfloat16 keeps the released dtypes (the
@@ -32,43 +28,78 @@ def cast_params(params, dtype):
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
 
 
+def _at(tree, i):
+    """Layer `i` (may be traced) of a stacked parameter tree."""
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _switch(index, branches: dict, *operands):
+    """`lax.switch` over the branches that exist in this config (a kind with no layers has no branch)."""
+    present = [branches[k] for k in sorted(branches)]
+    if len(present) == 1:
+        return present[0](*operands)
+    keys = jnp.asarray(sorted(branches), jnp.int32)
+    return jax.lax.switch(jnp.argmax(keys == index), present, *operands)
+
+
 def _forward(params, cfg: ModelConfig, tokens, lengths, state: DecodeState, decode: bool):
+    """The layer loop of SPEC section 4 as one `lax.scan` over the layers, so each layer kind compiles
+    once whatever the depth. AttnRes keeps its candidates in a fixed buffer `cands [n_blocks + 1, B, T, D]`:
+    slots < nb hold the banked blocks, slot nb the live block sum P; banking is `nb += 1` with a zeroed
+    new live slot (`0 + a` is exactly `a`), and a mix sees the first nb + 1 slots only."""
     t = _text(params)
     act = t.embed.dtype
     eps = cfg.rms_norm_eps
     start = state.lengths
-    kda_s, kda_conv, mla_kv = state.kda.s, state.kda.conv, state.mla.kv
+    kinds = np.array([0 if k == LAYER_KDA else 1 for k in cfg.layer_kinds], np.int32)
+    ffns = np.array([0 if k == FFN_DENSE else 1 for k in cfg.ffn_kinds], np.int32)
+    slots = np.array([cfg.stack_index(i) for i in range(cfg.num_layers)], np.int32)
+    banks = np.arange(cfg.num_layers) % cfg.attn_res_block_size == 0
 
-    def mix(blocks, live, norm_w, proj_w):
-        return attn_res_mix(jnp.stack(blocks + [live]), fold_site(norm_w, proj_w, act), eps)
+    def kda(x, ai, st):
+        kda_s, kda_conv, mla_kv = st
+        a, s, conv = kda_layer(x, _at(t.kda, ai), kda_s[ai], kda_conv[ai], lengths, cfg, decode)
+        return a, (kda_s.at[ai].set(s), kda_conv.at[ai].set(conv), mla_kv)
 
-    live = t.embed[tokens]  # P: the running sum of the current block
-    blocks: list = []
-    for i in range(cfg.num_layers):
-        ln = _take(t.layers, i)
-        ai, fi = cfg.stack_index(i)
-        with jax.named_scope(f"layer_{i}"):
-            h = mix(blocks, live, ln.attn_res_norm, ln.attn_res_proj) if blocks else live
-            if i % cfg.attn_res_block_size == 0:  # bank the raw layer input, not h
-                blocks.append(live)
-                live = None
-            x = rms_norm(h, ln.input_layernorm, eps)
-            if cfg.layer_kinds[i] == LAYER_KDA:
-                a, s, conv = kda_layer(x, _take(t.kda, ai), kda_s[ai], kda_conv[ai], lengths, cfg, decode)
-                kda_s, kda_conv = kda_s.at[ai].set(s), kda_conv.at[ai].set(conv)
-            else:
-                a, kv = mla_layer(x, _take(t.mla, ai), mla_kv[ai], start, lengths, cfg, decode)
-                mla_kv = mla_kv.at[ai].set(kv)
-            live = a if live is None else live + a
-            x = rms_norm(mix(blocks, live, ln.mlp_res_norm, ln.mlp_res_proj), ln.post_attention_layernorm, eps)
-            if cfg.ffn_kinds[i] == FFN_DENSE:
-                d = _take(t.dense, fi)
-                f = mlp(x, d.gate, d.up, d.down, cfg.situ_beta, cfg.situ_linear_beta)
-            else:
-                f = latent_moe(x, _take(t.moe, fi), cfg)
-            live = live + f
-    h = mix(blocks, live, t.out_res_norm, t.out_res_proj)
+    def mla(x, ai, st):
+        kda_s, kda_conv, mla_kv = st
+        a, kv = mla_layer(x, _at(t.mla, ai), mla_kv[ai], start, lengths, cfg, decode)
+        return a, (kda_s, kda_conv, mla_kv.at[ai].set(kv))
+
+    def dense(x, fi):
+        d = _at(t.dense, fi)
+        return mlp(x, d.gate, d.up, d.down, cfg.situ_beta, cfg.situ_linear_beta)
+
+    def moe(x, fi):
+        return latent_moe(x, _at(t.moe, fi), cfg)
+
+    attn_branches = {k: f for k, f, n in ((0, kda, cfg.kda_layers), (1, mla, cfg.mla_layers)) if n}
+    ffn_branches = {k: f for k, f, n in ((0, dense, cfg.dense_layers), (1, moe, cfg.moe_layers)) if n}
+
+    def layer(carry, xs):
+        cands, nb, st = carry
+        ln, kind, ffn, (ai, fi), bank = xs
+        h = attn_res_mix(cands, fold_site(ln.attn_res_norm, ln.attn_res_proj, act), eps, nb + 1)
+        nb = nb + bank.astype(nb.dtype)  # bank the raw layer input (the live slot), not h
+        live = jnp.where(bank, jnp.zeros_like(h), cands[nb])
+        with jax.named_scope("attention"):
+            a, st = _switch(kind, attn_branches, rms_norm(h, ln.input_layernorm, eps), ai, st)
+        live = live + a
+        cands = cands.at[nb].set(live)
+        x = rms_norm(attn_res_mix(cands, fold_site(ln.mlp_res_norm, ln.mlp_res_proj, act), eps, nb + 1),
+                     ln.post_attention_layernorm, eps)
+        with jax.named_scope("ffn"):
+            f = _switch(ffn, ffn_branches, x, fi)
+        return (cands.at[nb].set(live + f), nb, st), None
+
+    embedded = t.embed[tokens]
+    cands = jnp.zeros((len(cfg.block_starts) + 1,) + embedded.shape, act).at[0].set(embedded)
+    st = (state.kda.s, state.kda.conv, state.mla.kv)
+    xs = (t.layers, kinds, ffns, (slots[:, 0], slots[:, 1]), banks)
+    (cands, nb, st), _ = jax.lax.scan(layer, (cands, jnp.int32(0), st), xs)
+    h = attn_res_mix(cands, fold_site(t.out_res_norm, t.out_res_proj, act), eps, nb + 1)
     logits = linear(rms_norm(h, t.final_norm, eps), t.lm_head, acc_dtype(act))
+    kda_s, kda_conv, mla_kv = st
     new = DecodeState(kda=state.kda.replace(s=kda_s, conv=kda_conv), mla=state.mla.replace(kv=mla_kv),
                       lengths=start + lengths.astype(start.dtype))
     return logits, new
