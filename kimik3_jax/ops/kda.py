@@ -138,8 +138,11 @@ def kda_chunked(q, k, v, g, beta, s0, chunk: int = DEFAULT_CHUNK):
     a_kk = jnp.where(strict, pair(k, k), 0.0) * beta[..., :, None]
     m_qk = jnp.where(tc[:, None] >= tc[None, :], pair(q, k), 0.0)
     tri = jnp.eye(chunk, dtype=k.dtype) + a_kk
-    u0 = solve_triangular(tri, beta[..., None] * v, lower=True, unit_diagonal=True)
-    w = solve_triangular(tri, beta[..., None] * (k * jnp.exp(g_t)), lower=True, unit_diagonal=True)
+    # One solve for both right-hand sides: two independent batched LAPACK solves can deadlock XLA:CPU's
+    # thread pool when it has 2 threads (each blocks a worker waiting for the other's work).
+    rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * (k * jnp.exp(g_t))], axis=-1)
+    uw = solve_triangular(tri, rhs, lower=True, unit_diagonal=True)
+    u0, w = uw[..., :dv], uw[..., dv:]
     q_dec = q * jnp.exp(g_t)
     k_tail = k * jnp.exp(to_end)
 
