@@ -43,6 +43,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{ckpt.dir}\n{cfg.summary()}")
     print(f"parameters: {param_count(cfg):,} text ({param_count(cfg, experts=True):,} routed-expert), "
           f"{param_count(cfg, vision=True):,} vision")
+    from kimik3_jax.model.state import state_bytes
+    sb = state_bytes(cfg)
+    print(f"decode state per sequence: KDA {sb['kda_state'] / 2**20:,.1f} MiB fp32 + conv tails "
+          f"{sb['kda_conv'] / 2**20:,.2f} MiB; MLA cache {sb['mla_per_token']:,} B per token (bf16)")
     problems = ckpt.problems(cfg, text_only=args.text_only)
     rows = summarize(ckpt, cfg)
     print(f"{len(ckpt.files)} shards, {sum(r[1] for r in rows):,} tensors, {_human(sum(r[2] for r in rows))} "
@@ -65,6 +69,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_logits(args: argparse.Namespace) -> int:
+    from kimik3_jax.model.logits import parse_tokens, read_tokens_file, save_npy, sequence_logits
+
+    if args.tokens is not None:
+        tokens, origin = parse_tokens(args.tokens, "--tokens"), "--tokens"
+    else:
+        tokens, origin = read_tokens_file(args.tokens_file), args.tokens_file
+    logits = sequence_logits(args.checkpoint, tokens, args.dtype, origin)
+    save_npy(args.out, logits)
+    print(f"wrote {args.out}: logits {list(logits.shape)} {logits.dtype} ({args.dtype} model); "
+          f"argmax of the last position {int(logits[-1].argmax())}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from convert.cli import run_convert
+
+    return run_convert(args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from convert.cli import run_export
+
+    return run_export(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in JAX: checkpoints, inference, tools.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -84,6 +114,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--text-only", action="store_true", help="do not expect the vision tower")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("logits", help="write the logits [T, vocab] of one token sequence")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (release safetensors layout)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="token ids, e.g. 1,2,3")
+    src.add_argument("--tokens-file", help="token ids: text (commas/spaces), a JSON list, or a .npy array")
+    p.add_argument("--out", required=True, help="output .npy file")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"],
+                   help="bfloat16: the production precision policy; float32/float64: every op in that dtype")
+    p.set_defaults(func=cmd_logits)
+
+    from kimik3_jax.generate.cli import add_generate_parser  # stdlib-only at import: the parser stays fast
+    add_generate_parser(sub)
+
+    from convert.cli import add_convert_arguments, add_export_arguments  # argparse only
+
+    p = sub.add_parser("convert", help="release safetensors -> Orbax: validated, streaming, resumable (docs/convert.md)")
+    add_convert_arguments(p)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("export", help="a converted (Orbax) directory -> the release safetensors layout")
+    add_export_arguments(p)
+    p.set_defaults(func=cmd_export)
     return parser
 
 

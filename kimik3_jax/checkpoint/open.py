@@ -1,13 +1,47 @@
-"""Open any checkpoint directory the project reads (the release safetensors layout, for now)."""
+"""Open any checkpoint directory this project reads: the release (safetensors) layout or a converted one.
+
+    cfg, params = load_checkpoint(directory, text_only=True, shardings=None)
+
+A directory with the converted manifest (`kimik3 convert`, see docs/convert.md) is restored by Orbax
+straight into `shardings`; anything else is read as the release layout by `load_params`.
+Both give the same tree, bit for bit (A_log zero-padded to head_dim, experts packed as released, or
+`DenseExpertParams` for a checkpoint converted with `--dequantize bf16`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from kimik3_jax.checkpoint.load import Checkpoint, load_params
+from kimik3_jax.config import ModelConfig
+from kimik3_jax.errors import CheckpointError
+from kimik3_jax.params import Params
 
 
-def load_checkpoint(directory: str | Path, *, text_only: bool = True, shardings=None):
-    """(ModelConfig, Params) from a checkpoint directory."""
-    cfg = Checkpoint(directory).config()
+def is_orbax_checkpoint(directory: str | Path) -> bool:
+    """True for a complete converted (Orbax) directory."""
+    from convert.manifest import is_orbax_checkpoint as _is_orbax
+
+    return _is_orbax(directory)
+
+
+def load_checkpoint(directory: str | Path, *, text_only: bool = True,
+                    shardings: Any = None) -> tuple[ModelConfig, Params]:
+    """(config, parameters) of a release-layout or converted directory. `shardings`: None (the first
+    device), one `jax.sharding.Sharding` for every leaf, or a tree of them matching the parameters."""
+    directory = Path(directory)
+    if is_orbax_checkpoint(directory):
+        from convert.restore import load_orbax
+
+        return load_orbax(directory, text_only=text_only, shardings=shardings)
+    from kimik3_jax.checkpoint.load import Checkpoint, load_params
+
+    try:
+        cfg = Checkpoint(directory).config()
+    except CheckpointError as e:
+        partial = directory.parent / f".{directory.name}.partial"
+        if partial.exists():
+            raise CheckpointError(f"{e} (an unfinished conversion to {directory} waits at {partial}: "
+                                  "finish it with `kimik3 convert --resume`)") from None
+        raise
     return cfg, load_params(directory, cfg, text_only=text_only, shardings=shardings)

@@ -118,6 +118,12 @@ class ShardWriter:
         self._file = None
         self._failed = False
 
+    @property
+    def header(self) -> bytes:
+        """The file's leading bytes (length, JSON, padding), for a writer that places tensors at
+        `infos[name].begin` in another order (convert's export)."""
+        return self._header
+
     def __enter__(self) -> "ShardWriter":
         self._file = open(self.tmp_path, "wb")
         self._file.write(self._header)
