@@ -250,6 +250,18 @@ def test_top_k_and_top_p_cut_the_tail():
     assert np.all(draws(5.0, top_p=1.0) > 0)  # top_p = 1 keeps every token
 
 
+def test_top_p_cuts_the_tempered_distribution():
+    """Temperature first, then the cuts (vLLM's and Hugging Face's order): at temperature 0.3 the top
+    token alone holds more than half the mass, so top_p 0.5 keeps only it (untempered it would keep two)."""
+    tempered = np.asarray(jax.nn.softmax(LOGITS_V / 0.3))
+    assert tempered[0] > 0.5
+    assert np.all(draws(0.3, top_p=0.5)[1:] == 0)
+    hot = np.asarray(jax.nn.softmax(LOGITS_V / 3.0))  # flatter: the cut keeps more tokens
+    keep = int(np.searchsorted(np.cumsum(hot), 0.5) + 1)
+    got = draws(3.0, top_p=0.5)
+    assert np.all(got[:keep] > 0) and np.all(got[keep:] == 0)
+
+
 def test_greedy_rows_are_the_exact_argmax_with_ties_to_the_lowest_id():
     logits = jnp.asarray([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 0.0]], jnp.float32)
     z = jnp.zeros((2,), jnp.float32)

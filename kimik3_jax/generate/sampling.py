@@ -1,7 +1,8 @@
 """Sampling: settings per sequence, one jittable function for a mixed batch.
 
-`sample` applies, per row, top-k (0 = off), then top-p on the distribution top-k left, then the
-temperature; temperature 0 is greedy and returns the exact argmax (the lowest index among ties).
+`sample` applies, per row, the temperature, then top-k (0 = off), then top-p on the tempered
+distribution that top-k left (the order of vLLM and Hugging Face); temperature 0 is greedy and returns
+the exact argmax (the lowest index among ties).
 Settings are arrays [B], so greedy and sampled rows share one compiled function.
 """
 
@@ -61,6 +62,8 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature_B: jax.Array, top_p
     logits_BV = logits_BV.astype(jnp.float32)
     keys = key if _is_batched_key(key) else jax.random.split(key, B)
 
+    safe_t_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
+    logits_BV = logits_BV / safe_t_B[:, None]
     # Sorting descending once serves top-k (a rank cut) and top-p (a cumulative-mass cut).
     order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
     sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
@@ -70,9 +73,7 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature_B: jax.Array, top_p
     mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
     # the top token always stays; top_p = 1 keeps everything even where the float sum rounds past 1
     keep_BV &= (mass_before_BV < top_p_B[:, None]) | (rank_V[None, :] == 0) | (top_p_B[:, None] >= 1)
-
-    safe_t_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
-    scaled_BV = jnp.where(keep_BV, sorted_BV / safe_t_B[:, None], -jnp.inf)
+    scaled_BV = jnp.where(keep_BV, sorted_BV, -jnp.inf)
     pick_B = jax.vmap(jax.random.categorical)(keys, scaled_BV)
     sampled_B = jnp.take_along_axis(order_BV, pick_B[:, None], axis=-1)[:, 0]
     return jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
