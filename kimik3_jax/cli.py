@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("logits", help="write the logits [T, vocab] of one token sequence")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (release safetensors layout)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory: the release safetensors layout or a `kimik3 convert` output")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="token ids, e.g. 1,2,3")
     src.add_argument("--tokens-file", help="token ids: text (commas/spaces), a JSON list, or a .npy array")
