@@ -38,7 +38,10 @@ def _checkpointer() -> ocp.Checkpointer:
 def _saver() -> ocp.Checkpointer:
     """Saves host arrays without Orbax's defensive deep copy (the default doubles a unit in memory;
     the arrays are ours and untouched until the synchronous save returns)."""
-    numpy = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    try:
+        numpy = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    except TypeError:  # Orbax 0.12.4 (the GPU image's) has no such option; the memory bound is measured on 0.12.8
+        numpy = ocp.type_handlers.NumpyHandler()
     registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, numpy))
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False,
                                                         type_handler_registry=registry))
