@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from collections import Counter
 
 import jax
@@ -365,10 +364,7 @@ def test_k3_param_count(k3, k3_want):
 
 def test_k3_abstract(k3):
     live = len(jax.live_arrays())
-    t0 = time.perf_counter()
     tree = params.abstract(k3)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0, f"abstract(k3) took {elapsed:.1f} s"
     leaves = jax.tree_util.tree_leaves(tree)
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert len(jax.live_arrays()) == live  # nothing allocated

