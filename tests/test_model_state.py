@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kimik3_jax.checkpoint.open import load_checkpoint
-from kimik3_jax.model import cast_params, decode_step, init_state, prefill, state_bytes, state_shapes
+from kimik3_jax.model import cast_params, decode_step, init_state, prefill, prefill_last, state_bytes, state_shapes
 from kimik3_jax.params import abstract
 from kimik3_jax.presets import preset
 
@@ -137,6 +137,23 @@ def test_padding_never_leaks(model):
     row2 = lambda st: (st.kda.s[:, 2], st.kda.conv[:, 2], st.mla.kv[:, 2], st.lengths[2])  # noqa: E731
     for x, y in zip(row2(s1), row2(start)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_prefill_last_is_prefill_at_each_last_position(model):
+    """The same state, and the logits of each row's last real token (float64: equal to rounding)."""
+    cfg, params = model
+    lengths = np.array([1, 16, 7], np.int32)
+    tokens = _rows(8, cfg.vocab_size)
+    with jax.enable_x64(True):
+        p64 = cast_params(params, jnp.float64)
+        full, s_full = prefill(p64, cfg, tokens, lengths, init_state(cfg, B, CAP, jnp.float64))
+        last, s_last = jax.jit(prefill_last, static_argnums=1)(p64, cfg, tokens, lengths,
+                                                               init_state(cfg, B, CAP, jnp.float64))
+        assert last.shape == (B, cfg.vocab_size)
+        want = np.asarray(full)[np.arange(B), lengths - 1]
+        assert np.abs(np.asarray(last) - want).max() <= F64_RTOL * np.abs(want).max()
+        for x, y in zip(jax.tree_util.tree_leaves(s_full), jax.tree_util.tree_leaves(s_last)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_capacity_and_shape_errors(model):

@@ -71,7 +71,7 @@ class Item:
 def model_functions():
     """(init_state, prefill, decode_step) of the model; tests replace this to run a stand-in."""
     from kimik3_jax import model
-    return model.init_state, model.prefill, model.decode_step
+    return model.init_state, model.prefill_last, model.decode_step
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -1,7 +1,9 @@
 """Static-batch generation: one prefill, then decode steps fused on the device in chunks.
 
 The model is passed in (`init_state_fn`, `prefill_fn`, `decode_fn`, the signatures of
-`kimik3_jax.model`), so the loop runs the same against the real model and a test double.
+`kimik3_jax.model`), so the loop runs the same against the real model and a test double. `prefill_fn`
+may return logits [B, T, V] (`prefill`) or only each row's last ones [B, V] (`prefill_last`, what the
+CLI uses: the full [B, T, V] would not fit at K3's vocabulary for long batches).
 
     out = generate(params, cfg, prompts, SamplingParams(), max_new_tokens=64, eos_id=tok.eos_id, seed=0,
                    prefill_fn=prefill, decode_fn=decode_step, init_state_fn=init_state)
@@ -186,8 +188,10 @@ def _programs(prefill_fn: Callable, decode_fn: Callable, cfg, steps: int, pad_id
         return jnp.any(tok_B[:, None] == eos_E[None, :], axis=1) | (count_B >= budget_B)
 
     def first(params, tokens_BT, lengths_B, state, row_keys, temperature_B, top_p_B, top_k_B, budget_B):
-        logits_BTV, state = prefill_fn(params, cfg, tokens_BT, lengths_B, state)
-        last_BV = jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        logits, state = prefill_fn(params, cfg, tokens_BT, lengths_B, state)
+        if logits.ndim == 3:  # [B, T, V]: read each row's last real position ([B, V] is that already)
+            logits = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        last_BV = logits
         keys = jax.vmap(jax.random.fold_in)(row_keys, jnp.zeros_like(lengths_B))
         tok_B = sample(last_BV, keys, temperature_B, top_p_B, top_k_B)
         count_B = jnp.ones_like(lengths_B)

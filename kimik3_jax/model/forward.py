@@ -42,7 +42,7 @@ def _switch(index, branches: dict, *operands):
     return jax.lax.switch(jnp.argmax(keys == index), present, *operands)
 
 
-def _forward(params, cfg: ModelConfig, tokens, lengths, state: DecodeState, decode: bool):
+def _forward(params, cfg: ModelConfig, tokens, lengths, state: DecodeState, decode: bool, last_only: bool = False):
     """The layer loop of SPEC section 4 as one `lax.scan` over the layers, so each layer kind compiles
     once whatever the depth. AttnRes keeps its candidates in a fixed buffer `cands [n_blocks + 1, B, T, D]`:
     slots < nb hold the banked blocks, slot nb the live block sum P; banking is `nb += 1` with a zeroed
@@ -97,6 +97,9 @@ def _forward(params, cfg: ModelConfig, tokens, lengths, state: DecodeState, deco
     st = (state.kda.s, state.kda.conv, state.mla.kv)
     xs = (t.layers, kinds, ffns, (slots[:, 0], slots[:, 1]), banks)
     (cands, nb, st), _ = jax.lax.scan(layer, (cands, jnp.int32(0), st), xs)
+    if last_only:  # the head only where the next token is read: [B, T, V] logits can dwarf the model
+        last = jnp.maximum(lengths - 1, 0)[None, :, None, None]
+        cands = jnp.take_along_axis(cands, last, axis=2)
     h = attn_res_mix(cands, fold_site(t.out_res_norm, t.out_res_proj, act), eps, nb + 1)
     logits = linear(rms_norm(h, t.final_norm, eps), t.lm_head, acc_dtype(act))
     kda_s, kda_conv, mla_kv = st
@@ -133,6 +136,17 @@ def prefill(params, cfg: ModelConfig, tokens, lengths, state: DecodeState):
                          f"{tokens.shape[0]}")
     _check_room(state, lengths)
     return _forward(params, cfg, tokens, lengths, state, decode=False)
+
+
+def prefill_last(params, cfg: ModelConfig, tokens, lengths, state: DecodeState):
+    """`prefill` that returns only each sequence's logits at its last real token, [B, V]: the LM head
+    runs on B rows instead of B*T (at K3's vocabulary, [B, T, V] fp32 logits of a long batch would be
+    tens of GB). A row with length 0 gets the logits of its position 0 (meaningless; ignore it)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    _check_room(state, lengths)
+    logits, state = _forward(params, cfg, tokens, lengths, state, decode=False, last_only=True)
+    return logits[:, 0], state
 
 
 def decode_step(params, cfg: ModelConfig, state: DecodeState, tokens):
