@@ -104,6 +104,7 @@ def kda_chunked(q, k, v, g, beta, s0, chunk: int = DEFAULT_CHUNK):
     sub = min(SUB_BLOCK, chunk)
     if chunk % sub:
         raise ValueError(f"chunk = {chunk} must be a multiple of {sub}")
+    chunk = min(chunk, -(-t // sub) * sub)  # a short sequence is not padded to a whole chunk
     nsub = chunk // sub
     n = -(-t // chunk)
     pad = n * chunk - t
