@@ -123,10 +123,7 @@ def _check_room(state: DecodeState, lengths) -> None:
         raise ValueError(f"lengths must be >= 0, got {new.tolist()}")
 
 
-def prefill(params, cfg: ModelConfig, tokens, lengths, state: DecodeState):
-    """Run `tokens` [B, T] (right-padded; `lengths` [B] real tokens each) after what `state` holds.
-    Returns (logits [B, T, V] in the accumulation dtype, new state). Padded positions change neither
-    a real token's result nor the state; continuing from a saved state equals one longer prefill."""
+def _prefill_args(tokens, lengths, state: DecodeState):
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
@@ -135,6 +132,14 @@ def prefill(params, cfg: ModelConfig, tokens, lengths, state: DecodeState):
         raise ValueError(f"lengths {lengths.shape} and state batch {state.batch} must match tokens batch "
                          f"{tokens.shape[0]}")
     _check_room(state, lengths)
+    return tokens, lengths
+
+
+def prefill(params, cfg: ModelConfig, tokens, lengths, state: DecodeState):
+    """Run `tokens` [B, T] (right-padded; `lengths` [B] real tokens each) after what `state` holds.
+    Returns (logits [B, T, V] in the accumulation dtype, new state). Padded positions change neither
+    a real token's result nor the state; continuing from a saved state equals one longer prefill."""
+    tokens, lengths = _prefill_args(tokens, lengths, state)
     return _forward(params, cfg, tokens, lengths, state, decode=False)
 
 
@@ -142,9 +147,7 @@ def prefill_last(params, cfg: ModelConfig, tokens, lengths, state: DecodeState):
     """`prefill` that returns only each sequence's logits at its last real token, [B, V]: the LM head
     runs on B rows instead of B*T (at K3's vocabulary, [B, T, V] fp32 logits of a long batch would be
     tens of GB). A row with length 0 gets the logits of its position 0 (meaningless; ignore it)."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    _check_room(state, lengths)
+    tokens, lengths = _prefill_args(tokens, lengths, state)
     logits, state = _forward(params, cfg, tokens, lengths, state, decode=False, last_only=True)
     return logits[:, 0], state
 
