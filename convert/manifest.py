@@ -9,7 +9,6 @@ so a hand-edited config or a manifest from another format version is caught befo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from convert.plan import (
     Unit,
     plan_units,
 )
+from kimik3_jax.atomic import atomic_file
 from kimik3_jax.checkpoint.layout import CONFIG_FILE, INDEX_FILE
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.errors import CheckpointError
@@ -43,13 +43,9 @@ def is_orbax_checkpoint(directory: str | Path) -> bool:
 
 def write_json(path: Path, data) -> None:
     """Write JSON durably and atomically (a temporary file, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_file(path) as f:
         json.dump(data, f, indent=1)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def manifest_entry(unit: Unit) -> dict:

@@ -53,6 +53,7 @@ from convert.plan import (
 )
 from convert.report import build_manifest, build_report
 from convert.source import SourceReader, fingerprint, validate
+from kimik3_jax.atomic import atomic_file
 from kimik3_jax.checkpoint.layout import INDEX_FILE
 from kimik3_jax.checkpoint.load import MAX_LISTED, Checkpoint
 from kimik3_jax.errors import CheckpointError
@@ -232,12 +233,8 @@ def _read_progress(work: Path) -> dict[str, dict]:
 
 
 def _rewrite_progress(work: Path, records: list[dict]) -> None:
-    tmp = work / (PROGRESS_FILE + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_file(work / PROGRESS_FILE) as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, work / PROGRESS_FILE)
 
 
 def _append_progress(work: Path, record: dict) -> None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kimik3_jax.atomic import atomic_file
+
 DTYPES = ("bfloat16", "float32", "float64")
 EFFORTS = ("low", "medium", "high", "max", "none")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
@@ -213,15 +215,10 @@ def _write(records: list[dict], out: str | None) -> None:
         sys.stdout.flush()
         return
     path = Path(out)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_file(path, "w", encoding="utf-8") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         from kimik3_jax.generate.sampling import GenerationArgumentError
         raise GenerationArgumentError(f"--out {path}: cannot write it ({e})") from None
 

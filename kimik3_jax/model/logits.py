@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from kimik3_jax.atomic import atomic_file
 from kimik3_jax.errors import K3Error
 
 DTYPES = ("bfloat16", "float32", "float64")
@@ -86,11 +85,5 @@ def save_npy(path: str | Path, array: np.ndarray) -> None:
     """Write atomically: a reader never sees a partial file at `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_file(path, "wb") as f:
+        np.save(f, array)
