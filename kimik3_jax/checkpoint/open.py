@@ -1,6 +1,6 @@
 """Open any checkpoint directory this project reads: the release (safetensors) layout or a converted one.
 
-    cfg, params = load_checkpoint(directory, text_only=True, shardings=None)
+    cfg, params = load_checkpoint(directory, text_only=True, shardings=None, dtype=None)
 
 A directory with the converted manifest (`kimik3 convert`, see docs/convert.md) is restored by Orbax
 straight into `shardings`; anything else is read as the release layout by `load_params`.
@@ -15,7 +15,7 @@ from typing import Any
 
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.errors import CheckpointError
-from kimik3_jax.params import Params
+from kimik3_jax.params import Params, cast_params
 
 
 def is_orbax_checkpoint(directory: str | Path) -> bool:
@@ -25,11 +25,16 @@ def is_orbax_checkpoint(directory: str | Path) -> bool:
     return _is_orbax(directory)
 
 
-def load_checkpoint(directory: str | Path, *, text_only: bool = True,
-                    shardings: Any = None) -> tuple[ModelConfig, Params]:
+def load_checkpoint(directory: str | Path, *, text_only: bool = True, shardings: Any = None,
+                    dtype: Any = None) -> tuple[ModelConfig, Params]:
     """(config, parameters) of a release-layout or converted directory. `shardings`: None (the first
-    device), one `jax.sharding.Sharding` for every leaf, or a tree of them matching the parameters."""
-    directory = Path(directory)
+    device), one `jax.sharding.Sharding` for every leaf, or a tree of them matching the parameters.
+    `dtype`: the compute dtype (`cast_params`; None or bfloat16 keep the stored dtypes)."""
+    cfg, params = _load(Path(directory), text_only, shardings)
+    return cfg, params if dtype is None else cast_params(params, dtype)
+
+
+def _load(directory: Path, text_only: bool, shardings: Any) -> tuple[ModelConfig, Params]:
     if is_orbax_checkpoint(directory):
         from convert.restore import load_orbax
 

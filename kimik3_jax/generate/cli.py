@@ -79,9 +79,6 @@ def model_functions():
 def run_generate(args: argparse.Namespace) -> int:
     from kimik3_jax.generate.sampling import GenerationArgumentError, SamplingParams
 
-    if args.dtype == "float64":  # before any array exists
-        import jax
-        jax.config.update("jax_enable_x64", True)
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
                              ("--steps-per-call", args.steps_per_call, 1), ("--seed", args.seed, 0)):
         if value < low:
@@ -105,8 +102,12 @@ def run_generate(args: argparse.Namespace) -> int:
     todo = [(k, item) for k, item in enumerate(items) if item.error is None]
     totals = [0.0, 0.0, 0.0, 0]  # compile s, prefill s, decode s, decode tokens
     if todo:
-        cfg, params = load_model(directory, args.dtype)
-        _run_batches(todo, params, cfg, tok, args, totals)
+        import jax
+
+        from kimik3_jax.checkpoint.open import load_checkpoint
+        with jax.enable_x64(args.dtype == "float64"):  # scoped: float64 arrays only inside this command
+            cfg, params = load_checkpoint(directory, text_only=True, dtype=args.dtype)
+            _run_batches(todo, params, cfg, tok, args, totals)
     _write([item.record if item.error is None else {**item.record, "error": item.error} for item in items],
            args.out)
 
@@ -221,26 +222,6 @@ def _write(records: list[dict], out: str | None) -> None:
     except OSError as e:
         from kimik3_jax.generate.sampling import GenerationArgumentError
         raise GenerationArgumentError(f"--out {path}: cannot write it ({e})") from None
-
-
-def load_model(directory: Path, dtype: str):
-    """(cfg, text parameters) of a checkpoint directory, cast to `dtype` when it is not stored so."""
-    import jax.numpy as jnp
-
-    try:
-        from kimik3_jax.checkpoint.open import load_checkpoint
-    except ModuleNotFoundError as e:
-        if e.name != "kimik3_jax.checkpoint.open":
-            raise
-        from kimik3_jax.checkpoint.load import Checkpoint, load_params
-        cfg = Checkpoint(directory).config()
-        params = load_params(directory, cfg, text_only=True)
-    else:
-        cfg, params = load_checkpoint(directory, text_only=True)
-    if params.text.embed.dtype != jnp.dtype(dtype):
-        from kimik3_jax.model import cast_params
-        params = cast_params(params, jnp.dtype(dtype))
-    return cfg, params
 
 
 def default_checkpoint(progress: bool = True) -> Path:

@@ -12,8 +12,9 @@ dtype of the embedding table: bfloat16 is the production policy (SPEC section 8)
 run every op in that dtype.
 """
 
-from kimik3_jax.model.forward import cast_params, decode_step, prefill, prefill_last
+from kimik3_jax.model.forward import decode_step, prefill, prefill_last
 from kimik3_jax.model.state import DecodeState, KDAState, MLACache, init_state, state_bytes, state_shapes
+from kimik3_jax.params import cast_params
 
 __all__ = ["DecodeState", "KDAState", "MLACache", "init_state", "state_bytes", "state_shapes",
            "prefill", "prefill_last", "decode_step", "cast_params"]

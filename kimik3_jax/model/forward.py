@@ -18,16 +18,6 @@ def _text(params):
     return params.text if hasattr(params, "text") else params
 
 
-def cast_params(params, dtype):
-    """Every floating leaf in `dtype` (float32/float64 run every op in that dtype); packed expert bytes
-    stay uint8 and decode exactly into the compute dtype. bfloat16 keeps the released dtypes (the
-    production policy: bf16 weights, the seven fp32 kinds stay fp32)."""
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        return params
-    return jax.tree_util.tree_map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
-
-
 def _at(tree, i):
     """Layer `i` (may be traced) of a stacked parameter tree."""
     return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)

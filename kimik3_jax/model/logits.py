@@ -69,12 +69,11 @@ def _logits(directory, tokens, dtype, origin):
 
     from kimik3_jax.checkpoint.open import load_checkpoint
     from kimik3_jax.config import ModelConfig
-    from kimik3_jax.model import cast_params, init_state, prefill
+    from kimik3_jax.model import init_state, prefill
 
     cfg = ModelConfig.from_file(directory)  # both layouts carry config.json: check before loading weights
     check_tokens(tokens, cfg.vocab_size, cfg.max_position_embeddings, origin)
-    cfg, params = load_checkpoint(directory, text_only=True)
-    params = cast_params(params, jnp.dtype(dtype))
+    cfg, params = load_checkpoint(directory, text_only=True, dtype=jnp.dtype(dtype))
     state = init_state(cfg, 1, len(tokens), jnp.dtype(dtype))
     run = jax.jit(prefill, static_argnums=1)
     logits, _ = run(params, cfg, jnp.asarray([tokens], jnp.int32), jnp.asarray([len(tokens)], jnp.int32), state)

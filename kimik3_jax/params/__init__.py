@@ -24,7 +24,7 @@ from kimik3_jax.params.tree import (
 __all__ = [
     "Init", "Leaf", "Params", "TextParams", "VisionParams", "VisionBlocks", "LayerNorms", "KDAParams",
     "MLAParams", "MLPParams", "MoEParams", "ExpertParams", "DenseExpertParams", "describe", "abstract", "init_params",
-    "param_count", "named_leaves", "map_leaves", "draw_tensor", "init_params_traced",
+    "param_count", "cast_params", "named_leaves", "map_leaves", "draw_tensor", "init_params_traced",
 ]
 
 
@@ -59,6 +59,18 @@ def init_params_traced(cfg: ModelConfig, seed: int = 0, text_only: bool = False)
     """The same values computed with jax.numpy, for models too big for the host: call it under
     `jax.jit(..., static_argnums=(0, 1, 2), out_shardings=...)` to initialise straight into device memory."""
     return map_leaves(lambda leaf: draw_leaf_traced(leaf, seed), describe(cfg, text_only))
+
+
+def cast_params(params, dtype):
+    """Every floating leaf in `dtype` (float32/float64 run every op of the model in that dtype); packed
+    expert bytes stay uint8 and decode exactly into the compute dtype. bfloat16 keeps the released dtypes
+    (the production policy: bf16 weights, the seven fp32 kinds stay fp32)."""
+    import jax.numpy as jnp
+
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return params
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
 
 
 def param_count(cfg: ModelConfig, *, experts: bool | None = None, vision: bool = False) -> int:
