@@ -27,7 +27,7 @@ import numpy as np
 from convert.plan import VISION_PREFIXES, Piece
 from kimik3_jax import mxfp4
 from kimik3_jax.checkpoint.layout import CONFIG_FILE, INDEX_FILE, inventory
-from kimik3_jax.checkpoint.load import Checkpoint
+from kimik3_jax.checkpoint.load import Checkpoint, a_log_padding_problem
 from kimik3_jax.checkpoint.safetensors_io import NUMPY_TO_SAFETENSORS
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.errors import CheckpointError
@@ -87,12 +87,9 @@ def _check_a_log(ckpt: Checkpoint, cfg: ModelConfig) -> list[str]:
     found = []
     for t in inventory(cfg, True):
         if t.leaf.init.kind == "alog":
-            pad = ckpt.read(t.name)[t.leaf.init.lo:]
-            bad = np.flatnonzero(pad.view(np.uint32))
-            if len(bad):
-                found.append(f"{ckpt.dir / ckpt.weight_map[t.name]}: tensor {t.name}: entries "
-                             f"{t.leaf.init.lo}..{t.leaf.shape[-1] - 1} must be zero padding, found "
-                             f"{len(bad)} non-zero (first at {t.leaf.init.lo + int(bad[0])})")
+            problem = a_log_padding_problem(t.leaf, t.name, ckpt.read(t.name))
+            if problem:
+                found.append(f"{ckpt.dir / ckpt.weight_map[t.name]}: {problem}")
     return found
 
 

@@ -263,6 +263,13 @@ def test_a_log_last_padding_entry(ckpt_copy, cfg):
         load_params(ckpt_copy, cfg)
 
 
+def test_a_log_negative_zero_padding_is_refused(ckpt_copy, cfg):
+    """Padding is checked bitwise (a converted checkpoint pads back with +0.0, so -0.0 would not survive)."""
+    _poke(ckpt_copy, A_LOG, 4 * cfg.kda.num_heads, np.float32(-0.0).tobytes())
+    with pytest.raises(CheckpointError, match="1 non-zero"):
+        load_params(ckpt_copy, cfg)
+
+
 def test_a_log_real_heads_may_change(ckpt_copy, cfg):
     _poke(ckpt_copy, A_LOG, 0, np.float32(2.0).tobytes())  # a real head: any value is allowed
     p = load_params(ckpt_copy, cfg)

@@ -167,15 +167,24 @@ def _sliced_shape(shape: tuple[int, ...], inner: tuple[slice, ...]) -> tuple[int
     return tuple(len(range(*s.indices(n))) for s, n in zip(inner, shape))
 
 
+def a_log_padding_problem(leaf: Leaf, name: str, a_log: np.ndarray) -> str | None:
+    """What is wrong with the zero padding of a whole A_log tensor (entries past the heads), if anything.
+    Bitwise: -0.0 counts as non-zero, since a converted checkpoint pads back with +0.0."""
+    bad = np.flatnonzero(np.ascontiguousarray(a_log[leaf.init.lo:]).view(np.uint32))
+    if not len(bad):
+        return None
+    return (f"tensor {name}: entries {leaf.init.lo}..{leaf.shape[-1] - 1} must be zero padding, found "
+            f"{len(bad)} non-zero (first at {leaf.init.lo + int(bad[0])})")
+
+
 def _validated(leaf: Leaf, name: str, data: np.ndarray, inner: tuple[slice, ...]) -> np.ndarray:
     """Checks that need the bytes: MXFP4 scale bytes and the A_log zero padding."""
     if leaf.mx == "scale":
         mxfp4.check_scales(name, data, offset=[s.indices(n)[0] for s, n in zip(inner, leaf.shape)])
     if leaf.init.kind == "alog" and data.shape[-1] == leaf.shape[-1]:
-        pad = data[leaf.init.lo:]
-        if np.any(pad != 0):
-            raise CheckpointError(f"tensor {name}: entries {leaf.init.lo}..{leaf.shape[-1] - 1} must be zero "
-                                  f"padding, found {np.count_nonzero(pad)} non-zero")
+        problem = a_log_padding_problem(leaf, name, data)
+        if problem:
+            raise CheckpointError(problem)
     return data
 
 
