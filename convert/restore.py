@@ -30,7 +30,7 @@ from convert.orbax_io import restore_sharded
 from convert.plan import UNITS_DIR, Piece, output_spec
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.errors import CheckpointError
-from kimik3_jax.params import Leaf, Params, named_leaves
+from kimik3_jax.params import Leaf, Params, leaf_shardings, named_leaves
 
 
 def load_orbax(directory: str | Path, *, text_only: bool = True, shardings: Any = None) -> tuple[ModelConfig, Params]:
@@ -62,24 +62,15 @@ def load_orbax(directory: str | Path, *, text_only: bool = True, shardings: Any 
 
 
 def _targets(spec: Params, shardings: Any, directory: Path) -> dict[str, Sharding]:
-    if shardings is None or isinstance(shardings, Sharding):
-        one = shardings or SingleDeviceSharding(jax.devices()[0])
-        return {key: one for key, _ in named_leaves(spec)}
     try:
-        tree = jax.tree_util.tree_map(lambda leaf, s: s, spec, shardings, is_leaf=lambda x: isinstance(x, Leaf))
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{directory}: the shardings tree does not match the parameter tree ({e})") from None
-    targets = dict(named_leaves_any(tree))
+        targets = dict(named_leaves(leaf_shardings(spec, shardings)))
+    except ValueError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
     for key, s in targets.items():
         if not isinstance(s, (NamedSharding, SingleDeviceSharding)):
             raise CheckpointError(f"shardings for {key}: {type(s).__name__} is not supported "
                                   "(use NamedSharding or SingleDeviceSharding)")
     return targets
-
-
-def named_leaves_any(tree) -> list[tuple[str, Any]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Sharding))
-    return [(jax.tree_util.keystr(path, simple=True, separator="."), x) for path, x in flat]
 
 
 def _slice_sharding(target: Sharding, piece: Piece) -> Sharding:

@@ -7,7 +7,6 @@ import json
 import re
 from pathlib import Path
 
-import jax
 import ml_dtypes  # noqa: F401  (safetensors' numpy backend needs it to read/write BF16)
 import numpy as np
 from safetensors.numpy import load_file, save_file
@@ -15,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 from kimik3_jax.checkpoint.layout import INDEX_FILE
 from kimik3_jax.checkpoint.load import Checkpoint
 from kimik3_jax.checkpoint.safetensors_io import read_header
+from kimik3_jax.params import named_leaves
 
 SEED = 0
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -32,12 +32,7 @@ SCALE = L + "2.block_sparse_moe.experts.7.w2.weight_scale"
 # ----------------------------------------------------------------------------------------- helpers
 
 def _leaves(tree):
-    return dict(named_leaves_any(tree))
-
-
-def named_leaves_any(tree):
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(jax.tree_util.keystr(p, simple=True, separator="."), np.asarray(x)) for p, x in flat]
+    return {key: np.asarray(x) for key, x in named_leaves(tree)}
 
 
 def _dir_bytes(d):

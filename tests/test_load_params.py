@@ -7,7 +7,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from checkpoint_helpers import SCALE, SEED, _leaves, _poke
 from kimik3_jax.checkpoint.layout import inventory
 from kimik3_jax.checkpoint.load import Checkpoint, load_params, summarize
-from kimik3_jax.errors import MXFP4Error
+from kimik3_jax.errors import CheckpointError, MXFP4Error
 from kimik3_jax.params import describe, map_leaves, named_leaves
 
 
@@ -73,3 +73,9 @@ def test_scale_byte_255_position_in_a_sliced_read(ckpt_copy, cfg):
     stack = tuple(slice(0, n) for n in leaf.stack_shape)
     with pytest.raises(MXFP4Error, match=r"\(5, 1\)"):
         ckpt.read_block(leaf, stack + (slice(4, 8), slice(None)))  # rows 4..7 hold the bad byte
+
+
+def test_a_shardings_tree_of_another_structure_is_refused(tiny_ckpt, cfg):
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(CheckpointError, match="shardings tree does not match the parameter tree"):
+        load_params(tiny_ckpt, cfg, shardings={"text": one})

@@ -28,7 +28,7 @@ from kimik3_jax.checkpoint.layout import CONFIG_FILE, INDEX_FILE, inventory
 from kimik3_jax.checkpoint.safetensors_io import NUMPY_TO_SAFETENSORS, TensorInfo, read_header
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.errors import CheckpointError
-from kimik3_jax.params import Leaf, Params, describe, map_leaves
+from kimik3_jax.params import Leaf, Params, describe, leaf_shardings
 
 MAX_LISTED = 20  # problems listed in an error message; the count says how many more
 
@@ -197,9 +197,10 @@ def load_params(directory: str | Path, cfg: ModelConfig | None = None, *, text_o
     cfg = ckpt.config() if cfg is None else cfg
     ckpt.check(cfg, text_only)
     spec = describe(cfg, text_only)
-    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
-        one = shardings or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = map_leaves(lambda _: one, spec)
+    try:
+        shardings = leaf_shardings(spec, shardings)
+    except ValueError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
     try:
         return jax.tree_util.tree_map(
             lambda leaf, sharding: jax.make_array_from_callback(

@@ -24,7 +24,7 @@ from kimik3_jax.params.tree import (
 __all__ = [
     "Init", "Leaf", "Params", "TextParams", "VisionParams", "VisionBlocks", "LayerNorms", "KDAParams",
     "MLAParams", "MLPParams", "MoEParams", "ExpertParams", "DenseExpertParams", "describe", "abstract", "init_params",
-    "param_count", "cast_params", "named_leaves", "map_leaves", "draw_tensor", "init_params_traced",
+    "param_count", "cast_params", "named_leaves", "leaf_shardings", "map_leaves", "draw_tensor", "init_params_traced",
 ]
 
 
@@ -41,6 +41,19 @@ def named_leaves(spec: Any) -> list[tuple[str, Leaf]]:
     """Every leaf with its dotted path in the tree, in tree order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_leaf)
     return [(jax.tree_util.keystr(path, simple=True, separator="."), leaf) for path, leaf in flat]
+
+
+def leaf_shardings(spec: Params, shardings: Any = None) -> Any:
+    """A tree of `jax.sharding.Sharding` matching `spec`: `shardings` as given when it is such a tree,
+    or one sharding (default: the first device) for every leaf. A tree of another structure raises
+    ValueError."""
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        one = shardings or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return map_leaves(lambda _: one, spec)
+    try:
+        return jax.tree_util.tree_map(lambda _, s: s, spec, shardings, is_leaf=_is_leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the shardings tree does not match the parameter tree ({e})") from None
 
 
 def abstract(cfg: ModelConfig, text_only: bool = False) -> Params:
