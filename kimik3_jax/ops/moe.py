@@ -66,7 +66,7 @@ def routed_experts(xl: jax.Array, idx: jax.Array, weights: jax.Array, experts, b
     GPU atomics would sum in a run-dependent order)."""
     act, acc = xl.dtype, acc_dtype(xl.dtype)
     n, k = idx.shape
-    num_experts = (experts.w1_packed if hasattr(experts, "w1_packed") else experts.w1).shape[0]
+    num_experts = jax.tree_util.tree_leaves(experts)[0].shape[0]  # packed or dense: [E, ...] either way
     if strategy == "auto":
         strategy = "gathered" if n * k < num_experts else "sorted"
     if strategy == "gathered":
