@@ -149,6 +149,25 @@ class VisionConfig:
         return self.mm_hidden_size * self.merge_kernel[0] * self.merge_kernel[1]
 
 
+IMPLS = ("auto", "xla", "pallas")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Execution choices that do not change the model's function (static under `jax.jit`).
+
+    impl: which implementation of the hot ops runs: "xla" (the pure-JAX functions), "pallas" (the
+      kernels; an unsupported call is an error) or "auto" (the kernels where the backend and the call
+      are supported, else the pure functions).
+    sharding: a `kimik3_jax.sharding.ShardingPlan` (mesh + rules) or None for one device."""
+    impl: str = "auto"
+    sharding: Any = None
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ConfigError(f"impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -171,6 +190,11 @@ class ModelConfig:
     pad_token_id: int
     media_placeholder_token_id: int | None
     source: Mapping[str, Any] = field(default=None, compare=False, hash=False, repr=False)
+    runtime: "Runtime" = field(default_factory=lambda: Runtime())  # how it runs, not what it is
+
+    def with_runtime(self, **changes) -> "ModelConfig":
+        """The same model with other execution choices, e.g. `cfg.with_runtime(impl="pallas")`."""
+        return dataclasses.replace(self, runtime=dataclasses.replace(self.runtime, **changes))
 
     # Derived facts -----------------------------------------------------------------------------
     @property
