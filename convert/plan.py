@@ -26,8 +26,7 @@ import numpy as np
 
 from kimik3_jax.checkpoint.layout import Tensor, inventory
 from kimik3_jax.config import ModelConfig
-from kimik3_jax.params import DenseExpertParams, Leaf, Params, describe, named_leaves
-from kimik3_jax.params.leaf import BF16, FAN_IN
+from kimik3_jax.params import Leaf, Params, dense_experts, describe, named_leaves
 
 FORMAT = "kimik3-orbax"
 FORMAT_VERSION = 1
@@ -118,21 +117,12 @@ def unit_name(layer: int | None, vision: bool = False) -> str:
     return "vision" if vision else "globals" if layer is None else f"layer_{layer:03d}"
 
 
-def _dense_experts(packed: Params, cfg: ModelConfig) -> DenseExpertParams:
-    """Leaves of the dequantised experts: bf16 [layers, experts, out, in] with the packed leaves' stacks."""
-    def dense(leaf: Leaf) -> Leaf:
-        out, packed_in = leaf.shape
-        return Leaf(leaf.name.removesuffix("_packed"), (out, 2 * packed_in), BF16, leaf.axes, FAN_IN,
-                    layers=leaf.layers, experts=leaf.experts)
-    return DenseExpertParams(w1=dense(packed.w1_packed), w3=dense(packed.w3_packed), w2=dense(packed.w2_packed))
-
-
 def output_spec(cfg: ModelConfig, text_only: bool = False, experts: str = EXPERTS_PACKED) -> Params:
     """The tree of leaves that loading a converted checkpoint returns (the release tree, or with
     DenseExpertParams when the experts were dequantised)."""
     spec = describe(cfg, text_only)
     if experts == EXPERTS_BF16:
-        moe = spec.text.moe.replace(experts=_dense_experts(spec.text.moe.experts, cfg))
+        moe = spec.text.moe.replace(experts=dense_experts(spec.text.moe.experts))
         spec = spec.replace(text=spec.text.replace(moe=moe))
     return spec
 

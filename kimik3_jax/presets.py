@@ -21,14 +21,16 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeh
 
 # Sizes that differ from the release, by config section. Widths of the routed experts stay multiples
 # of the MXFP4 group (32); every width differs from the others so a transposed weight cannot pass.
+# Heads (8), vocabulary, FFN widths, experts (16) and each expert's MXFP4 scale groups (256 / 32 = 8)
+# divide by 8, so every sharding preset runs it on 8 devices.
 _TINY_TEXT = {
-    "vocab_size": 1024, "hidden_size": 192, "intermediate_size": 256,
-    "num_attention_heads": 4, "num_key_value_heads": 4,
+    "vocab_size": 1024, "hidden_size": 192, "intermediate_size": 320,
+    "num_attention_heads": 8, "num_key_value_heads": 8,
     "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 40,
-    "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 224, "routed_expert_hidden_size": 64,
+    "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 256, "routed_expert_hidden_size": 64,
     "attn_res_block_size": 3, "max_position_embeddings": 4096,
 }
-_TINY_LINEAR = {"num_heads": 4, "head_dim": 32}
+_TINY_LINEAR = {"num_heads": 8, "head_dim": 32}
 _TINY_VISION = {
     "vt_hidden_size": 64, "mm_hidden_size": 64, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 2,
     "qkv_hidden_size": 96, "vt_intermediate_size": 128, "init_pos_emb_height": 8, "init_pos_emb_width": 8,

@@ -23,7 +23,7 @@ SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{6})\.safetensors$")
 # Tensors the tampering tests pick on (all exist in the tiny preset).
 L = "language_model.model.layers."
 MISSING = L + "1.block_sparse_moe.gate.weight"
-Q_PROJ = L + "0.self_attn.q_proj.weight"  # KDA layer 0, [128, 192] BF16
+Q_PROJ = L + "0.self_attn.q_proj.weight"  # KDA layer 0, [256, 192] BF16
 FINAL_NORM = "language_model.model.norm.weight"  # BF16 [192]
 A_LOG = L + "0.self_attn.A_log"
 SCALE = L + "2.block_sparse_moe.experts.7.w2.weight_scale"

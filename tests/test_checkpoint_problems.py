@@ -32,7 +32,7 @@ def t_missing_from_index_only(d):
 
 def t_wrong_shape(d):
     f = _replace_tensor(d, Q_PROJ, lambda a: np.ascontiguousarray(a.T))
-    return [f"{f}: tensor {Q_PROJ} is BF16 [192, 128], expected BF16 [128, 192]"]
+    return [f"{f}: tensor {Q_PROJ} is BF16 [192, 256], expected BF16 [256, 192]"]
 
 
 def t_wrong_dtype(d):

@@ -30,7 +30,7 @@ from kimik3_jax.cli import main
 
 def t_config_disagrees_with_shapes(d):
     config = json.loads((d / "config.json").read_text())
-    config["text_config"]["moe_intermediate_size"] = 192  # the shards hold 224-wide experts
+    config["text_config"]["moe_intermediate_size"] = 192  # the shards hold 256-wide experts
     (d / "config.json").write_text(json.dumps(config))
     return [(f"{d / 'config.json'}: 693 tensors have another shape or dtype than it implies "
              f"(first {L}1.block_sparse_moe.shared_experts.gate_proj.weight)")]

@@ -280,7 +280,7 @@ def test_quantized_expert_weight_view(tiny_ref):
     want = ref.mxfp4_dequantize(tiny_ref.raw(ref.PREFIX + "layers.2." + name + "weight_packed"),
                                 tiny_ref.raw(ref.PREFIX + "layers.2." + name + "weight_scale"))
     np.testing.assert_array_equal(p[name + "weight"], want)
-    assert p[name + "weight"].shape == (64, 224)                        # [latent, expert width]
+    assert p[name + "weight"].shape == (64, 256)                        # [latent, expert width]
 
 
 def test_latent_moe_from_packed_dict_equals_view(tiny_ref):

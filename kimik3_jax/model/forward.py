@@ -12,6 +12,9 @@ from kimik3_jax.model.state import DecodeState
 from kimik3_jax.ops.attn_res import attn_res_mix, fold_site
 from kimik3_jax.ops.common import acc_dtype, linear, mlp, rms_norm
 from kimik3_jax.ops.moe import latent_moe
+from kimik3_jax.sharding.plan import constrain
+
+CANDS = (None, "batch", "seq", "embed")  # logical axes of the AttnRes candidate buffer
 
 
 def _text(params):
@@ -80,10 +83,11 @@ def _forward(params, cfg: ModelConfig, tokens, lengths, state: DecodeState, deco
                      ln.post_attention_layernorm, eps)
         with jax.named_scope("ffn"):
             f = _switch(ffn, ffn_branches, x, fi)
-        return (cands.at[nb].set(live + f), nb, st), None
+        return (constrain(cands.at[nb].set(live + f), cfg, CANDS), nb, st), None
 
-    embedded = t.embed[tokens]
+    embedded = constrain(t.embed[tokens], cfg, CANDS[1:])
     cands = jnp.zeros((len(cfg.block_starts) + 1,) + embedded.shape, act).at[0].set(embedded)
+    cands = constrain(cands, cfg, CANDS)
     st = (state.kda.s, state.kda.conv, state.mla.kv)
     xs = (t.layers, kinds, ffns, (slots[:, 0], slots[:, 1]), banks)
     (cands, nb, st), _ = jax.lax.scan(layer, (cands, jnp.int32(0), st), xs)
@@ -91,7 +95,7 @@ def _forward(params, cfg: ModelConfig, tokens, lengths, state: DecodeState, deco
         last = jnp.maximum(lengths - 1, 0)[None, :, None, None]
         cands = jnp.take_along_axis(cands, last, axis=2)
     h = attn_res_mix(cands, fold_site(t.out_res_norm, t.out_res_proj, act), eps, nb + 1)
-    logits = linear(rms_norm(h, t.final_norm, eps), t.lm_head, acc_dtype(act))
+    logits = constrain(linear(rms_norm(h, t.final_norm, eps), t.lm_head, acc_dtype(act)), cfg, ("batch", "seq", "vocab"))
     kda_s, kda_conv, mla_kv = st
     new = DecodeState(kda=state.kda.replace(s=kda_s, conv=kda_conv), mla=state.mla.replace(kv=mla_kv),
                       lengths=start + lengths.astype(start.dtype))

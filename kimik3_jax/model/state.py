@@ -45,6 +45,15 @@ class DecodeState:
         return self.mla.kv.shape[2]
 
 
+# Logical axes of every state leaf (mapped to mesh axes by kimik3_jax.sharding.rules): KDA states and
+# conv tails split by heads; the MLA latent is shared by all heads, so its cache is split only by batch.
+STATE_AXES = DecodeState(
+    kda=KDAState(s=("layers", "batch", "kda_heads", None, None), conv=("layers", "batch", None, None, "kda_heads")),
+    mla=MLACache(kv=("layers", "batch", "cache_seq", None)),
+    lengths=("batch",),
+)
+
+
 def state_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> DecodeState:
     """ShapeDtypeStructs of the state; allocates nothing."""
     k, m = cfg.kda, cfg.mla

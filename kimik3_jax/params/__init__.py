@@ -18,12 +18,12 @@ from kimik3_jax.params.leaf import Init, Leaf
 from kimik3_jax.params.random import draw_leaf_host, draw_leaf_traced, draw_tensor
 from kimik3_jax.params.tree import (
     DenseExpertParams, ExpertParams, KDAParams, LayerNorms, MLAParams, MLPParams, MoEParams, Params, TextParams,
-    VisionBlocks, VisionParams, describe,
+    VisionBlocks, VisionParams, dense_experts, describe,
 )
 
 __all__ = [
     "Init", "Leaf", "Params", "TextParams", "VisionParams", "VisionBlocks", "LayerNorms", "KDAParams",
-    "MLAParams", "MLPParams", "MoEParams", "ExpertParams", "DenseExpertParams", "describe", "abstract", "init_params",
+    "MLAParams", "MLPParams", "MoEParams", "ExpertParams", "DenseExpertParams", "dense_experts", "describe", "abstract", "init_params",
     "param_count", "cast_params", "named_leaves", "leaf_shardings", "map_leaves", "draw_tensor", "init_params_traced",
 ]
 

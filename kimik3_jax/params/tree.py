@@ -273,5 +273,14 @@ def describe_vision(cfg: ModelConfig) -> VisionParams | None:
     )
 
 
+def dense_experts(packed: ExpertParams) -> DenseExpertParams:
+    """Leaves of dequantised experts: bf16 [layers, experts, out, in], stacked like the packed leaves."""
+    def dense(leaf: Leaf) -> Leaf:
+        out, packed_in = leaf.shape
+        return Leaf(leaf.name.removesuffix("_packed"), (out, 2 * packed_in), BF16, leaf.axes, FAN_IN,
+                    layers=leaf.layers, experts=leaf.experts)
+    return DenseExpertParams(w1=dense(packed.w1_packed), w3=dense(packed.w3_packed), w2=dense(packed.w2_packed))
+
+
 def describe(cfg: ModelConfig, text_only: bool = False) -> Params:
     return Params(text=describe_text(cfg), vision=None if text_only else describe_vision(cfg))

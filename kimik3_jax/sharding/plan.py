@@ -1,0 +1,117 @@
+"""`ShardingPlan`: a mesh plus the rules table; every sharding of the model comes from it.
+
+    plan = ShardingPlan.create({"expert": 4, "tensor": 2})     # or ShardingPlan.preset("ep_tp")
+    params = load_checkpoint(path, shardings=plan.params(spec))
+    state = plan.init_state(cfg, batch, max_len)
+    cfg = cfg.with_runtime(sharding=plan)                     # the model constrains its activations
+                                                              # and runs the experts expert-parallel
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kimik3_jax.params import map_leaves, named_leaves
+from kimik3_jax.sharding.mesh import make_mesh, preset_sizes
+from kimik3_jax.sharding.rules import MESH_AXES, RULES, ShardingError, check_rules, partition_spec
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    mesh: Mesh
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = tuple(RULES.items())
+
+    def __post_init__(self):
+        if tuple(self.mesh.axis_names) != MESH_AXES:
+            raise ShardingError(f"the mesh axes must be {MESH_AXES}, got {tuple(self.mesh.axis_names)}")
+        check_rules(self.table)
+
+    @classmethod
+    def create(cls, sizes: Mapping[str, int], devices=None, rules: Mapping[str, tuple[str, ...]] = RULES):
+        return cls(make_mesh(dict(sizes), devices), tuple(rules.items()))
+
+    @classmethod
+    def preset(cls, name: str, devices=None, rules: Mapping[str, tuple[str, ...]] = RULES):
+        devices = list(jax.devices() if devices is None else devices)
+        return cls.create(preset_sizes(name, len(devices)), devices, rules)
+
+    @property
+    def table(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.rules)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+    def describe(self) -> str:
+        return ",".join(f"{a}={s}" for a, s in self.sizes.items())
+
+    def mesh_axes(self, logical: str) -> tuple[str, ...]:
+        """The mesh axes (size > 1) that split `logical`."""
+        return tuple(a for a in self.table.get(logical, ()) if self.sizes[a] > 1)
+
+    def ways(self, logical: str) -> int:
+        return math.prod(self.sizes[a] for a in self.mesh_axes(logical))
+
+    # specs and shardings ---------------------------------------------------------------------------
+    def spec(self, axes: tuple[str | None, ...], shape: tuple[int, ...], what: str) -> PartitionSpec:
+        return partition_spec(tuple(axes), tuple(shape), self.sizes, what, self.table)
+
+    def sharding(self, axes, shape, what: str) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes, shape, what))
+
+    def param_specs(self, spec) -> Any:
+        """A tree of PartitionSpec for a described parameter tree (of `Leaf`)."""
+        return map_leaves(lambda leaf: self.spec(leaf.full_axes, leaf.full_shape, leaf.name), spec)
+
+    def params(self, spec) -> Any:
+        """A tree of NamedSharding for a described parameter tree; raises ShardingError naming the first
+        tensor that cannot be split as the table says (all are checked here, before anything loads)."""
+        for path, leaf in named_leaves(spec):
+            self.spec(leaf.full_axes, leaf.full_shape, f"{path} ({leaf.name})")
+        return map_leaves(lambda leaf: NamedSharding(self.mesh, self.spec(leaf.full_axes, leaf.full_shape,
+                                                                            leaf.name)), spec)
+
+    def state_specs(self, shapes) -> Any:
+        """PartitionSpecs of a DecodeState of arrays or ShapeDtypeStructs."""
+        from kimik3_jax.model.state import STATE_AXES
+
+        paths = jax.tree_util.tree_flatten_with_path(shapes)[0]
+        axes = jax.tree_util.tree_leaves(STATE_AXES, is_leaf=_is_axes)
+        specs = [self.spec(ax, a.shape, "decode state " + jax.tree_util.keystr(p, simple=True, separator="."))
+                 for (p, a), ax in zip(paths, axes)]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), specs)
+
+    def state(self, shapes) -> Any:
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.state_specs(shapes),
+                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def init_state(self, cfg, batch: int, max_len: int, dtype=jnp.bfloat16):
+        """An empty decode state created directly in its shards."""
+        from kimik3_jax.model.state import init_state, state_shapes
+
+        shardings = self.state(state_shapes(cfg, batch, max_len, dtype))
+        return jax.jit(init_state, static_argnums=(0, 1, 2, 3), out_shardings=shardings)(cfg, batch, max_len, dtype)
+
+    def constrain(self, x: jax.Array, axes: tuple[str | None, ...], what: str = "activation") -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape, what))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+def constrain(x: jax.Array, cfg, axes: tuple[str | None, ...], what: str = "activation") -> jax.Array:
+    """`x` constrained to its logical axes under the config's sharding plan (unchanged without one)."""
+    plan = cfg.runtime.sharding
+    return x if plan is None else plan.constrain(x, axes, what)
+
