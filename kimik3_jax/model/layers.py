@@ -7,40 +7,42 @@ import jax.numpy as jnp
 
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.ops.common import acc_dtype, linear, rms_norm
-from kimik3_jax.ops.kda import kda_chunked, kda_gate, kda_step, l2_normalize, short_conv
+from kimik3_jax.ops.impl import dispatch
+from kimik3_jax.ops.kda import kda_decode, kda_prefill, short_conv
 from kimik3_jax.ops.mla import mla_attend, mla_attend_absorbed, mla_project, write_cache
 
 
 def kda_layer(x, p, s, conv, lengths, cfg: ModelConfig, decode: bool):
     """KDA (SPEC section 5). s [B, H, K, V] state, conv [B, 3, W-1, H*K] conv tails, lengths [B] real
     tokens in x. Padded positions get g = 0 and beta = 0: they leave the state exactly unchanged.
+    The fused ops `kda_decode` / `kda_prefill` run as cfg.runtime.impl selects (ops/impl.py).
     Returns (out [B, T, D], new s, new conv)."""
     kc = cfg.kda
     b, t, _ = x.shape
     h, dk = kc.num_heads, kc.head_dim
     act, acc = x.dtype, acc_dtype(x.dtype)
     heads = lambda a: a.reshape(b, t, h, dk)  # noqa: E731
+    impl = cfg.runtime.impl
+    z = heads(linear(linear(x, p.f_a), p.f_b, acc) + p.dt_bias.astype(acc))  # the gate's pre-activation
+    beta = jax.nn.sigmoid(linear(x, p.b_proj, acc))  # [B, T, H]
+    gate = heads(linear(x, p.g_proj, acc))
+    gate_args = dict(a_log=p.a_log[:h], lower_bound=kc.gate_lower_bound)
+    projs = [linear(x, w) for w in (p.q_proj, p.k_proj, p.v_proj)]
+    if decode:
+        slots = jnp.arange(b)
+        conv_w = jnp.stack([w[:, 0, :] for w in (p.q_conv, p.k_conv, p.v_conv)])
+        o, conv, s = dispatch("kda_decode", impl, kda_decode, jnp.stack(projs, 1)[:, :, 0], conv_w, conv, s, slots,
+                              z[:, 0], beta[:, 0], gate[:, 0], p.o_norm, eps=cfg.rms_norm_eps, lengths=lengths,
+                              qk_norm=True, **gate_args)
+        return linear(o.reshape(b, 1, h * dk), p.o_proj), s, conv
     qkv, tails = [], []
-    for j, (proj, w) in enumerate(((p.q_proj, p.q_conv), (p.k_proj, p.k_conv), (p.v_proj, p.v_conv))):
-        y, tail = short_conv(linear(x, proj), w, conv[:, j], lengths)
+    for j, (y, w) in enumerate(zip(projs, (p.q_conv, p.k_conv, p.v_conv))):
+        y, tail = short_conv(y, w, conv[:, j], lengths)
         qkv.append(heads(y))
         tails.append(tail)
-    q = l2_normalize(qkv[0]) * dk ** -0.5
-    k = l2_normalize(qkv[1])
-    v = qkv[2].astype(acc)
-    z = linear(linear(x, p.f_a), p.f_b, acc) + p.dt_bias.astype(acc)
-    g = kda_gate(heads(z), p.a_log[:h], kc.gate_lower_bound)
-    beta = jax.nn.sigmoid(linear(x, p.b_proj, acc))  # [B, T, H]
-    valid = jnp.arange(t)[None, :] < lengths[:, None]
-    g = jnp.where(valid[..., None, None], g, 0.0)
-    beta = jnp.where(valid[..., None], beta, 0.0)
-    if decode:
-        o, s = kda_step(s, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-        o = o[:, None]
-    else:
-        o, s = kda_chunked(q, k, v, g, beta, s)
+    o, s = dispatch("kda_prefill", impl, kda_prefill, *qkv, z, beta, s, lengths=lengths, qk_norm=True, **gate_args)
     o = rms_norm(o, p.o_norm, cfg.rms_norm_eps)  # per head, shared weight, in the accumulation dtype
-    o = (o * jax.nn.sigmoid(heads(linear(x, p.g_proj, acc)))).astype(act).reshape(b, t, h * dk)
+    o = (o * jax.nn.sigmoid(gate)).astype(act).reshape(b, t, h * dk)
     return linear(o, p.o_proj), s, jnp.stack(tails, axis=1)
 
 

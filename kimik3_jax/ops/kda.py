@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
-from kimik3_jax.ops.common import HIGHEST, acc_dtype
+from kimik3_jax.ops.common import HIGHEST, acc_dtype, rms_norm
 
 L2_EPS = 1e-6  # inside the sum of squares (SPEC section 5), a constant of the reference code
 DEFAULT_CHUNK = 64
@@ -89,7 +88,31 @@ def _decay_sums(g: jax.Array, nsub: int, sub: int):
     return f, r, sb, flat(g_t), flat(to_end), jnp.sum(tot, axis=-2)
 
 
-def kda_chunked(q, k, v, g, beta, s0, chunk: int = DEFAULT_CHUNK):
+def unit_lower_inverse(a: jax.Array, block: int = SUB_BLOCK) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C] (C a multiple of `block`, or smaller): forward
+    substitution inside the diagonal blocks (all blocks at once), then block forward substitution across
+    them. Plain XLA ops: jaxlib's batched LAPACK solve deadlocks XLA:CPU when several devices (or two
+    solves) wait on its small thread pool at once, and this runs the same on every backend."""
+    c = a.shape[-1]
+    block = min(block, c)
+    nb = c // block
+    eye = jnp.eye(block, dtype=a.dtype)
+    diag = jnp.stack([a[..., i * block:(i + 1) * block, i * block:(i + 1) * block] for i in range(nb)], -3)
+    inv = jnp.broadcast_to(eye, diag.shape)
+    for r in range(1, block):  # row r of the inverse from the rows above it
+        row = eye[r] - jnp.einsum("...j,...jk->...k", diag[..., r, :], inv, precision=HIGHEST)
+        inv = inv.at[..., r, :].set(row)
+    t = {(i, i): inv[..., i, :, :] for i in range(nb)}
+    blk = lambda i, j: a[..., i * block:(i + 1) * block, j * block:(j + 1) * block]  # noqa: E731
+    for i in range(1, nb):
+        for j in range(i - 1, -1, -1):  # T_ij = -T_ii sum_{j <= m < i} A_im T_mj
+            acc = sum(jnp.einsum("...ab,...bc->...ac", blk(i, m), t[m, j], precision=HIGHEST) for m in range(j, i))
+            t[i, j] = -jnp.einsum("...ab,...bc->...ac", t[i, i], acc, precision=HIGHEST)
+    zero = jnp.zeros_like(inv[..., 0, :, :])
+    return jnp.concatenate([jnp.concatenate([t.get((i, j), zero) for j in range(nb)], -1) for i in range(nb)], -2)
+
+
+def kda_chunked(q, k, v, g, beta, s0, chunk: int = DEFAULT_CHUNK, return_chunk_states: bool = False):
     """The same function as `kda_recurrent`, in chunks (WY form of the delta rule).
 
     Within a chunk with cumulative log decay G_t (per key channel), the corrections u solve the unit
@@ -98,12 +121,14 @@ def kda_chunked(q, k, v, g, beta, s0, chunk: int = DEFAULT_CHUNK):
     and S = e^(G_C) S0 + (k e^(G_C - G))^T u. Pairs in the same 16-token sub-block use their exponent
     directly; pairs across sub-blocks factor through the decay at the start of the row's sub-block, so
     both factors are <= 1: nothing overflows, and no exponent is a difference of large sums.
-    T need not be a multiple of `chunk`: the tail is padded with identity steps (g = 0, beta = 0)."""
+    T need not be a multiple of `chunk`: the tail is padded with identity steps (g = 0, beta = 0).
+    With `return_chunk_states`, also returns the state after every whole chunk, [B, T // chunk, H, K, V]."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     sub = min(SUB_BLOCK, chunk)
     if chunk % sub:
         raise ValueError(f"chunk = {chunk} must be a multiple of {sub}")
+    full_chunks = t // chunk
     chunk = min(chunk, -(-t // sub) * sub)  # a short sequence is not padded to a whole chunk
     nsub = chunk // sub
     n = -(-t // chunk)
@@ -138,11 +163,8 @@ def kda_chunked(q, k, v, g, beta, s0, chunk: int = DEFAULT_CHUNK):
     strict = tc[:, None] > tc[None, :]
     a_kk = jnp.where(strict, pair(k, k), 0.0) * beta[..., :, None]
     m_qk = jnp.where(tc[:, None] >= tc[None, :], pair(q, k), 0.0)
-    tri = jnp.eye(chunk, dtype=k.dtype) + a_kk
-    # One solve for both right-hand sides: two independent batched LAPACK solves can deadlock XLA:CPU's
-    # thread pool when it has 2 threads (each blocks a worker waiting for the other's work).
     rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * (k * jnp.exp(g_t))], axis=-1)
-    uw = solve_triangular(tri, rhs, lower=True, unit_diagonal=True)
+    uw = jnp.einsum("...ti,...id->...td", unit_lower_inverse(a_kk), rhs, precision=HIGHEST)
     u0, w = uw[..., :dv], uw[..., dv:]
     q_dec = q * jnp.exp(g_t)
     k_tail = k * jnp.exp(to_end)
@@ -153,9 +175,99 @@ def kda_chunked(q, k, v, g, beta, s0, chunk: int = DEFAULT_CHUNK):
         o = jnp.einsum("bhtk,bhkv->bhtv", q_dec_c, s, precision=HIGHEST) + \
             jnp.einsum("bhti,bhiv->bhtv", m_c, u, precision=HIGHEST)
         s = s * jnp.exp(g_last_c)[..., None] + jnp.einsum("bhtk,bhtv->bhkv", k_tail_c, u, precision=HIGHEST)
-        return s, o
+        return s, (o, s) if return_chunk_states else o
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (u0, w, q_dec, m_qk, k_tail, g_last))
-    s, o = jax.lax.scan(body, s0, xs)  # o: [N, B, H, C, V]
+    s, ys = jax.lax.scan(body, s0, xs)  # o: [N, B, H, C, V]
+    o = ys[0] if return_chunk_states else ys
     o = jnp.moveaxis(jnp.moveaxis(o, 0, 1), 2, 3).reshape(b, n * chunk, h, dv)[:, :t]
+    if return_chunk_states:
+        return o, s, jnp.moveaxis(ys[1], 0, 1)[:, :full_chunks]
     return o, s
+
+
+# ------------------------------------------------------------------ the ops the kernels implement (SPEC 5)
+
+def _gate_and_norm(q, k, v, g, beta, a_log, lower_bound, qk_norm):
+    """The per-token prologue both fused ops share: optional gate from its pre-activation, optional q/k
+    L2 norm (q also scaled by K^-1/2), everything in the accumulation dtype."""
+    acc = acc_dtype(v.dtype)
+    if a_log is not None:
+        g = kda_gate(g, a_log, lower_bound)
+    if qk_norm:
+        q, k = l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
+    return q.astype(acc), k.astype(acc), v.astype(acc), g.astype(acc), beta.astype(acc)
+
+
+def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=False, lengths=None,
+                cu_seqlens=None, checkpoint=0, out_dtype=None):
+    """Chunked KDA prefill, the op the Pallas prefill kernel implements (same signature).
+
+    q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] the log decay, or its pre-activation z when `a_log`
+    [H] is given (then g = kda_gate(z, a_log, lower_bound)); beta [B, T, H]; s0 [B, H, K, V] (fp32).
+    qk_norm: q = l2(q) K^-1/2, k = l2(k) first. lengths [B]: positions t >= lengths[b] are identity steps
+    (g = 0, beta = 0: the state passes unchanged). cu_seqlens [N+1]: B = 1 holds N packed sequences,
+    sequence n at tokens cu[n]:cu[n+1] with its own state s0[n]. checkpoint > 0: also return the state
+    after every `checkpoint` tokens of each sequence, [B, T // checkpoint, H, K, V] (batch form) or
+    [T // checkpoint, H, K, V] (packed: sequence n's j-th at row sum_{m<n} len_m // checkpoint + j, rows
+    past the last are zero). Returns (o [B, T, H, V] in out_dtype (default fp32), final states[, checkpoints])."""
+    q, k, v, g, beta = _gate_and_norm(q, k, v, g, beta, a_log, lower_bound, qk_norm)
+    b, t = q.shape[:2]
+    if lengths is not None:
+        valid = jnp.arange(t)[None, :] < lengths[:, None]
+        g = jnp.where(valid[..., None, None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+    if cu_seqlens is None:
+        res = kda_chunked(q, k, v, g, beta, s0, checkpoint or DEFAULT_CHUNK, return_chunk_states=checkpoint > 0)
+        return (res[0].astype(out_dtype or res[0].dtype),) + tuple(res[1:])
+    if b != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got q {q.shape}")
+    # Reference for packed sequences: gather each into its own row (identity steps past its end), scan, scatter.
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    pos = jnp.arange(t)[None, :]
+    inside = pos < lens[:, None]  # [N, T]
+    idx = jnp.where(inside, cu_seqlens[:-1, None] + pos, 0)
+    rows = lambda a: jnp.take(a[0], idx, axis=0)  # noqa: E731  [N, T, ...]
+    gq, gk, gv, gg, gb = map(rows, (q, k, v, g, beta))
+    gg = jnp.where(inside[..., None, None], gg, 0.0)
+    gb = jnp.where(inside[..., None], gb, 0.0)
+    res = kda_chunked(gq, gk, gv, gg, gb, s0, checkpoint or DEFAULT_CHUNK, return_chunk_states=checkpoint > 0)
+    dest = jnp.where(inside, idx, t)  # out of range: dropped
+    o = jnp.zeros_like(v[0]).at[dest].set(res[0], mode="drop")[None].astype(out_dtype or v.dtype)
+    if not checkpoint:
+        return o, res[1]
+    per_seq = lens // checkpoint
+    first = jnp.cumsum(per_seq) - per_seq
+    j = jnp.arange(res[2].shape[1])[None, :]
+    cdest = jnp.where(j < per_seq[:, None], first[:, None] + j, t)
+    cps = jnp.zeros((t // checkpoint,) + s0.shape[1:], s0.dtype).at[cdest].set(res[2], mode="drop")
+    return o, res[1], cps
+
+
+def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, eps, lengths=None,
+               a_log=None, lower_bound=None, qk_norm=True):
+    """One fused decode step for N sequences whose states live in pools, the op the Pallas decode kernel
+    implements: conv-tail update, q/k/v causal conv + SiLU, gate, q/k L2 norm, the recurrence step and
+    the gated RMSNorm of the output.
+
+    qkv [N, 3, C] the q, k, v projections before the conv (C = H*K); conv_w [3, C, W]; conv_pool
+    [P, 3, W-1, C] conv tails; s_pool [P, H, K, V] states (fp32); slots [N] rows of the pools; g [N, H, K]
+    (or its pre-activation with `a_log`, as in kda_prefill); beta [N, H]; gate [N, H, V] the output
+    gate's pre-activation; norm_w [V]; lengths [N] in {0, 1}: a 0 leaves that slot's tail and state as
+    they are. Returns (o [N, H, V] in qkv's dtype, new conv_pool, new s_pool)."""
+    nb, h = qkv.shape[0], s_pool.shape[1]
+    lens = jnp.ones((nb,), jnp.int32) if lengths is None else lengths
+    tails = conv_pool[slots]
+    ys, new_tails = [], []
+    for j in range(3):
+        y, tail = short_conv(qkv[:, j:j + 1], conv_w[j][:, None, :], tails[:, j], lens)
+        ys.append(y[:, 0].reshape(nb, h, -1))
+        new_tails.append(tail)
+    q, k, v, g, beta = _gate_and_norm(*ys, g, beta, a_log, lower_bound, qk_norm)
+    active = lens > 0
+    g = jnp.where(active[:, None, None], g, 0.0)
+    beta = jnp.where(active[:, None], beta, 0.0)
+    o, s = kda_step(s_pool[slots], q, k, v, g, beta)
+    o = rms_norm(o, norm_w, eps)
+    o = (o * jax.nn.sigmoid(gate.astype(o.dtype))).astype(qkv.dtype)
+    return o, conv_pool.at[slots].set(jnp.stack(new_tails, axis=1)), s_pool.at[slots].set(s)

@@ -1,0 +1,252 @@
+"""KDA kernels side by side on one GPU, in one run: our Pallas prefill and fused decode, fla 0.6.0's
+`chunk_kda` / `fused_recurrent_kda` (PyTorch + Triton) and jax-linear-attention 0.1.0's Mosaic GPU KDA
+(both optional imports), and our plain-JAX chunked scan (`kda_chunked`, the reference).
+
+Every implementation gets the same bf16 q/k/v, fp32 gate in (-5, 0) and beta, a non-zero fp32 initial
+state, and does the q/k L2 norm in its kernel. Errors are max |x - ref| / max |ref| against the
+plain-JAX chunked scan in fp32 (full-precision matmuls) on the same bf16-rounded inputs.
+
+    PYTHONPATH=$PWD python3 benchmarks/kda.py [--sweep] [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimik3_jax.ops.kda import kda_chunked, l2_normalize
+from kimik3_jax.ops.kda import kda_decode as kda_decode_ref
+from pallas_kernels.kda import decode as pdecode
+from pallas_kernels.kda import prefill as pprefill
+
+PREFILL_SHAPES = [(1, 8192, 96), (1, 32768, 96), (8, 2048, 12), (16, 4096, 12)]
+DECODE_NS = [1, 32, 256]
+DK = DV = 128
+WIDTH = 4
+TUNINGS = [dict(chunk=c, block_v=bv, num_warps=w, num_stages=s)
+           for c, bv, w, s in [(32, 64, 4, 2), (32, 32, 4, 2), (32, 128, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2),
+                               (32, 64, 8, 2), (16, 128, 4, 2)]]
+
+
+def bench_jax(f, *args, reps=20):
+    """Median wall time (ms) of a jitted call, after a warm-up, blocking on each result."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def rel(x, ref):
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    return float(np.abs(x - ref).max() / np.abs(ref).max())
+
+
+def prefill_inputs(b, t, h, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(keys[0], (b, t, h, DK), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, t, h, DK), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, h, DV), jnp.bfloat16)
+    g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(keys[3], (b, t, h, DK), jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h), jnp.float32))
+    s0 = 0.1 * jax.random.normal(keys[5], (b, h, DK, DV), jnp.float32)
+    return q, k, v, g, beta, s0
+
+
+@jax.jit
+def reference_prefill(q, k, v, g, beta, s0):
+    qn = l2_normalize(q) * DK ** -0.5
+    kn = l2_normalize(k)
+    return kda_chunked(qn, kn, v.astype(jnp.float32), g, beta, s0)
+
+
+def ours_prefill(tuning):
+    return jax.jit(lambda q, k, v, g, beta, s0: pprefill.kda_prefill(
+        q, k, v, g, beta, s0, qk_norm=True, out_dtype=jnp.bfloat16, tuning=tuning))
+
+
+def run_prefill(args, torch_mods, jla):
+    rows = []
+    for b, t, h in PREFILL_SHAPES:
+        if args.quick and t * b * h > 8192 * 96:
+            continue
+        x = prefill_inputs(b, t, h)
+        row = dict(shape=(b, t, h))
+        ref_o, ref_s = reference_prefill(*x)
+        if t * b * h <= 8192 * 96:
+            row["xla_ms"] = bench_jax(reference_prefill, *x, reps=5)
+        # ours: the default tuning, plus a sweep on request
+        best = None
+        for tuning in (TUNINGS if args.sweep else [pprefill.TUNING]):
+            try:
+                f = ours_prefill(tuning)
+                ms = bench_jax(f, *x)
+            except Exception as e:  # noqa: BLE001  a tuning that does not compile is skipped, and reported
+                print(f"  tuning {tuning} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            print(f"  ours {(b, t, h)} {tuning}: {ms:.3f} ms")
+            if best is None or ms < best[0]:
+                best = (ms, tuning, f)
+        ms, tuning, f = best
+        o, s = f(*x)
+        row.update(ours_ms=ms, ours_tuning=tuning, ours_err_o=rel(o, ref_o), ours_err_s=rel(s, ref_s))
+        if jla is not None:
+            try:
+                fj = jax.jit(lambda q, k, v, g, beta, s0: jla.linear_attention(
+                    "kda", q, k, v, impl="mosaic_gpu", g=g, beta=beta, initial_state=s0,
+                    output_final_state=True, use_qk_l2norm=True))
+                row["jla_ms"] = bench_jax(fj, *x)
+                o, s = fj(*x)
+                row.update(jla_err_o=rel(o, ref_o), jla_err_s=rel(s, ref_s))
+            except Exception as e:  # noqa: BLE001
+                print(f"  jla failed: {type(e).__name__}: {str(e)[:300]}")
+        if torch_mods is not None:
+            torch, chunk_kda, _, do_bench = torch_mods
+            tx = [torch.from_dlpack(a) for a in x]
+            fn = lambda: chunk_kda(*tx[:5], initial_state=tx[5], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)
+            try:
+                o, s = fn()
+                row["fla_ms"] = float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+                row.update(fla_err_o=rel(o.float().cpu().numpy(), ref_o), fla_err_s=rel(s.float().cpu().numpy(), ref_s))
+            except Exception as e:  # noqa: BLE001
+                print(f"  fla failed: {type(e).__name__}: {str(e)[:300]}")
+            del tx
+        peers = [row[k] for k in ("fla_ms", "jla_ms") if k in row]
+        if peers:
+            row["speedup_vs_best_peer"] = min(peers) / row["ours_ms"]
+        # tensor-core work of the chunked form (per token and head: 2*(C K + C K + C K + C V + 3 K V + C V))
+        c = row["ours_tuning"]["chunk"]
+        flops = 2 * b * t * h * (3 * c * DK + 2 * c * DV + 3 * DK * DV)
+        bytes_ = b * t * h * (2 * DK * 2 + 4 * DK + 4 + 2 * DV + 2 * DV) + 2 * b * h * DK * DV * 4
+        row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+        row["ours_tbps"] = bytes_ / row["ours_ms"] / 1e9
+        print(json.dumps(row))
+        rows.append(row)
+        del x, ref_o, ref_s
+    return rows
+
+
+def decode_inputs(n, h, seed=1):
+    keys = jax.random.split(jax.random.key(seed), 9)
+    c = h * DK
+    qkv = jax.random.normal(keys[0], (n, 3, c), jnp.bfloat16)
+    conv_w = 0.5 * jax.random.normal(keys[1], (3, c, WIDTH), jnp.float32)
+    conv_pool = jax.random.normal(keys[2], (n, 3, WIDTH - 1, c), jnp.bfloat16)
+    s_pool = 0.1 * jax.random.normal(keys[3], (n, h, DK, DV), jnp.float32)
+    slots = jax.random.permutation(keys[4], n).astype(jnp.int32)
+    z = 3 * jax.random.normal(keys[5], (n, h, DK), jnp.float32)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[6], (n, h), jnp.float32))
+    gate = jax.random.normal(keys[7], (n, h, DV), jnp.float32)
+    norm_w = 1 + 0.1 * jax.random.normal(keys[8], (DV,), jnp.float32)
+    a_log = jnp.linspace(-1, 1, h, dtype=jnp.float32)
+    return qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log
+
+
+def run_decode(args, torch_mods):
+    rows = []
+    h = 96
+    steps = 100
+    for n in DECODE_NS:
+        qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, h)
+        kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0)
+        o_ref, c_ref, s_ref = jax.jit(lambda *a: kda_decode_ref(*a, **kw))(
+            qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w)
+        row = dict(n=n, h=h)
+        best = None
+        for warps in ((4, 8, 16) if args.sweep else (pdecode.TUNING["num_warps"],)):
+            tuning = dict(num_warps=warps)
+            step = lambda cp, sp, t=tuning: pdecode.kda_decode(
+                qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t, **kw)
+            o, c2, s2 = jax.jit(step)(conv_pool, s_pool)
+            errs = (rel(o, o_ref), rel(s2, s_ref), rel(c2, c_ref))
+
+            @jax.jit
+            def loop(cp, sp, step=step):  # back-to-back steps on the GPU: the kernel time, not dispatch
+                return jax.lax.fori_loop(0, steps, lambda i, c: step(*c)[1:], (cp, sp))
+
+            ms = bench_jax(loop, conv_pool, s_pool, reps=10) / steps
+            one = bench_jax(jax.jit(step), conv_pool, s_pool, reps=50)
+            print(f"  decode N={n} warps={warps}: {1e3 * ms:.1f} us/step in a loop, {1e3 * one:.1f} us per call")
+            if best is None or ms < best[0]:
+                best = (ms, one, warps, errs)
+        ms, one, warps, errs = best
+        state_bytes = 2 * n * h * DK * DV * 4
+        row.update(ours_us=1e3 * ms, ours_call_us=1e3 * one, ours_warps=warps, ours_err_o=errs[0],
+                   ours_err_s=errs[1], ours_err_conv=errs[2], ours_tbps=state_bytes / ms / 1e9)
+        if torch_mods is not None:
+            torch, _, fused_recurrent_kda, do_bench = torch_mods
+            dev = "cuda"
+            tq, tk = (torch.randn(n, 1, h, DK, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            tv = torch.randn(n, 1, h, DV, device=dev, dtype=torch.bfloat16)
+            tg = -5 * torch.sigmoid(torch.randn(n, 1, h, DK, device=dev))
+            tb = torch.sigmoid(torch.randn(n, 1, h, device=dev))
+            ts = 0.1 * torch.randn(n, h, DK, DV, device=dev)
+            fn = lambda: fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=ts,
+                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+            try:
+                us = 1e3 * float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+                row.update(fla_us=us, fla_tbps=state_bytes / us / 1e6)
+            except Exception as e:  # noqa: BLE001
+                print(f"  fla decode failed: {type(e).__name__}: {str(e)[:300]}")
+        print(json.dumps(row))
+        rows.append(row)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sweep", action="store_true", help="try several kernel tunings, report the best")
+    ap.add_argument("--quick", action="store_true", help="skip the largest prefill shapes")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--only", choices=("prefill", "decode"), default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    torch_mods = jla = None
+    if not args.no_peers:
+        try:
+            import torch
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+            from triton.testing import do_bench
+            torch_mods = (torch, chunk_kda, fused_recurrent_kda, do_bench)
+        except Exception as e:  # noqa: BLE001
+            print(f"fla not available: {e}")
+        try:
+            import jla.ops as jla
+        except Exception as e:  # noqa: BLE001
+            print(f"jax-linear-attention not available: {e}")
+    result = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=jax.devices()[0].device_kind,
+                  prefill=run_prefill(args, torch_mods, jla) if args.only != "decode" else [],
+                  decode=run_decode(args, torch_mods) if args.only != "prefill" else [])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print("\n| (B, T, H) | ours ms | fla ms | jla ms | xla ms | speedup vs best peer | err ours / fla / jla |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in result["prefill"]:
+        fmt = lambda k: f"{r[k]:.3f}" if k in r else "-"
+        errs = " / ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("ours_err_o", "fla_err_o", "jla_err_o"))
+        sp = f"{r['speedup_vs_best_peer']:.2f}x" if "speedup_vs_best_peer" in r else "-"
+        print(f"| {r['shape']} | {fmt('ours_ms')} | {fmt('fla_ms')} | {fmt('jla_ms')} | {fmt('xla_ms')} | {sp} | {errs} |")
+    print("\n| decode N (H=96) | ours us/step | ours us/call | ours TB/s | fla us | fla TB/s | err o / state |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in result["decode"]:
+        fla = (f"{r['fla_us']:.1f} | {r['fla_tbps']:.2f}") if "fla_us" in r else "- | -"
+        print(f"| {r['n']} | {r['ours_us']:.1f} | {r['ours_call_us']:.1f} | {r['ours_tbps']:.2f} | {fla} | "
+              f"{r['ours_err_o']:.1e} / {r['ours_err_s']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

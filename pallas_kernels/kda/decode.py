@@ -1,0 +1,109 @@
+"""Pallas (Triton-style) fused KDA decode step: one launch, one program per (sequence, head).
+
+Each program reads its slot's conv tails for the head's channels and its [K, V] fp32 state once, does
+the q/k/v causal conv + SiLU (rounded to the activation dtype, as the reference), the gate, the q/k L2
+norm, the decay + delta-rule update + read, the gated RMSNorm of the output, and writes the new tails
+and state back in place (the pools are aliased inputs/outputs). Bandwidth-bound: the state is read and
+written once. Implements `kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kimik3_jax.ops.impl import Unsupported, register
+from kimik3_jax.ops.kda import L2_EPS
+from pallas_kernels.kda.common import compiler_params, resolve_interpret
+
+TUNING = dict(num_warps=8, num_stages=1)
+
+
+def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
+                   nw_ref, o_ref, conv_out, s_out, *, lower_bound, gate, qk_norm, eps):
+    f32 = jnp.float32
+    n, h = pl.program_id(0), pl.program_id(1)
+    dk, dv = s_ref.shape[-2], s_ref.shape[-1]
+    width = w_ref.shape[-1]
+    act = qkv_ref.dtype
+    slot = slots_ref[n]
+    active = lens_ref[n] > 0
+    cs = pl.ds(h * dk, dk)
+    keep = jnp.broadcast_to(active, (dk,))
+    ys = []
+    for j in range(3):
+        x = qkv_ref[n, j, cs]
+        tail = [conv_ref[slot, j, r, cs] for r in range(width - 1)]
+        hist = tail + [x]
+        y = jnp.zeros((dk,), f32)
+        for r in range(width):
+            y = y + hist[r].astype(f32) * w_ref[j, cs, r].astype(f32)
+        ys.append(jax.nn.silu(y).astype(act).astype(f32))
+        for r in range(width - 1):  # the tail moves by one token
+            plt.store(conv_out.at[slot, jnp.int32(j), jnp.int32(r), cs], hist[r + 1].astype(conv_out.dtype), mask=keep)
+    q, k, v = ys
+    if qk_norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    g = g_ref[n, h, :].astype(f32)
+    if gate:
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+    g = jnp.where(active, g, 0.0)
+    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+    s = s_ref[slot, h, :, :].astype(f32) * jnp.exp(g)[:, None]  # decay first
+    pred = jnp.sum(s * k[:, None], axis=0)
+    s = s + k[:, None] * (beta * (v - pred))[None, :]
+    o = jnp.sum(s * q[:, None], axis=0)  # read after the update
+    o = o * jax.lax.rsqrt(jnp.sum(o * o) / dv + eps) * nw_ref[...].astype(f32)
+    o = o * jax.nn.sigmoid(gate_ref[n, h, :].astype(f32))
+    o_ref[n, h, :] = o.astype(o_ref.dtype)
+    plt.store(s_out.at[slot, h, :, :], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, dv)))
+
+
+def supports(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, eps, lengths=None, a_log=None,
+             lower_bound=None, qk_norm=True, interpret=None, tuning=None):
+    for name, x in (("qkv", qkv), ("conv_pool", conv_pool), ("s_pool", s_pool), ("g", g), ("gate", gate)):
+        if jnp.dtype(x.dtype) == jnp.float64:
+            raise Unsupported(f"kda_decode kernel: {name} is float64 (the kernel computes in fp32)")
+    dk, dv = s_pool.shape[-2:]
+    for name, d in (("K", dk), ("V", dv)):
+        if d < 16 or d & (d - 1):
+            raise Unsupported(f"kda_decode kernel: head dim {name} = {d} is not a power of two >= 16")
+    if qkv.shape[-1] != s_pool.shape[1] * dk:
+        raise Unsupported(f"kda_decode kernel: qkv {qkv.shape} does not hold H*K = {s_pool.shape[1] * dk} channels")
+    if a_log is not None and lower_bound is None:
+        raise Unsupported("kda_decode kernel: a_log given without lower_bound")
+    if qkv.shape[0] > 1 and not resolve_interpret(interpret):
+        # Measured on the H200 (docs/benchmarks.md, KDA kernels): N = 1 matched the op, N = 32 and 256 did
+        # not (relative error 0.4); interpret mode matches at every N. Until that is found, refuse.
+        raise Unsupported("kda_decode kernel: batches > 1 are not yet correct when compiled for the GPU")
+
+
+@register("kda_decode", supports)
+def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, eps, lengths=None, a_log=None,
+               lower_bound=None, qk_norm=True, interpret=None, tuning=None):
+    """The Pallas implementation of `kimik3_jax.ops.kda.kda_decode` (same arguments and results), plus
+    `interpret` (None: interpret unless on a GPU) and `tuning` (overrides of TUNING). The pools are
+    updated in place when the caller donates them (under jit, without donation XLA copies them first)."""
+    supports(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, eps=eps, a_log=a_log,
+             lower_bound=lower_bound)
+    t = dict(TUNING, **(tuning or {}))
+    nb = qkv.shape[0]
+    nh = s_pool.shape[1]
+    lens = jnp.ones((nb,), jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    a_log_arr = jnp.zeros((nh,), jnp.float32) if a_log is None else a_log.astype(jnp.float32)
+    kernel = functools.partial(
+        _decode_kernel, lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
+        gate=a_log is not None, qk_norm=qk_norm, eps=float(eps))
+    out_shape = (jax.ShapeDtypeStruct((nb, nh, s_pool.shape[-1]), qkv.dtype),
+                 jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+                 jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={5: 1, 6: 2},
+        interpret=resolve_interpret(interpret), name="kda_decode",
+        compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
+    )(slots.astype(jnp.int32), lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)

@@ -1,0 +1,195 @@
+"""Pallas (Triton-style) chunked KDA prefill: one program per (sequence, head, value tile) walks the
+sequence's chunks serially with its [K, BV] slice of the fp32 state in registers.
+
+Per chunk of C tokens (G_t = cumulative log decay from the chunk start, per key channel):
+    A[t, i] = beta_t sum_c k_t k_i e^(G_t - G_i), i < t        M[t, i] = sum_c q_t k_i e^(G_t - G_i), i <= t
+    X = (I + A)^-1 (A is nilpotent: X = (I - A)(I + A^2)(I + A^4)... by repeated squaring, all matmuls)
+    u = X (beta v) - X (beta k e^G) S;   o = (q e^G) S + M u;   S = e^(G_C) S + (k e^(G_C - G))^T u
+The pair factor e^(G_t - G_i) is split as e^(G_t - a) e^(a - G_i) around an anchor a = G at the chunk's
+middle, so each factor stays within e^(+-C/2 |g|) (e^80 at C = 32 and the -5 bound: no fp32/bf16
+overflow), while every other exponent is <= 0. Matmuls on the state and the chunk's q/k run in bf16 with
+fp32 accumulation (the peers' precision); the inverse and X's products in fp32 (TF32 on the GPU).
+
+Sequences: cu [N+1] token offsets into the flattened [B*T] rows (batch form: cu = arange(B+1) * T);
+positions at or past `ends[n]` are identity steps (the `lengths` of the batch form). Everything the op
+`kimik3_jax.ops.kda.kda_prefill` takes is supported except float64 and head dims that are not powers of
+two >= 16; `supports` says why it refuses.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kimik3_jax.ops.impl import Unsupported, register
+from kimik3_jax.ops.kda import L2_EPS
+from pallas_kernels.kda.common import (
+    cdiv,
+    compiler_params,
+    dot_nt,
+    dot_tn,
+    resolve_interpret,
+)
+
+# chunk 32 keeps the anchored factors within e^80 at the -5 gate bound; the value tile trades the
+# duplicated per-chunk work (A, M, X, w are recomputed per value tile) against parallelism.
+TUNING = dict(chunk=32, block_v=128, num_warps=8, num_stages=2)  # best of the sweep in docs/benchmarks.md
+MAX_ANCHOR_EXPONENT = 80.0  # e^80 = 5.5e34 < bf16/fp32 max 3.4e38, with room for |q|, |k| <= 1
+
+
+def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref,
+                    o_ref, sf_ref, *cp_ref, heads, chunk, block_v, lower_bound, gate, qk_norm, cp_every):
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    pid, iv = pl.program_id(0), pl.program_id(1)
+    n, h = pid // heads, pid % heads
+    bos, eos, end = cu_ref[n], cu_ref[n + 1], ends_ref[n]
+    dk = q_ref.shape[-1]
+    vt = pl.ds(iv * block_v, block_v)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+    eye = jnp.where(rows == cols, 1.0, 0.0).astype(f32)
+    a_log = alog_ref[h].astype(f32) if gate else None
+
+    def body(j, s):
+        t0 = bos + j * chunk
+        inb = (t0 + rows) < eos  # [C, 1] rows of this sequence
+        real = (t0 + rows) < end  # rows before the identity tail
+        mk = jnp.broadcast_to(inb, (chunk, dk))
+        q = plt.load(q_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+        k = plt.load(k_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+        v = plt.load(v_ref.at[pl.ds(t0, chunk), h, vt], mask=jnp.broadcast_to(inb, (chunk, block_v)),
+                     other=0.0).astype(f32)
+        g = plt.load(g_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+        beta = plt.load(b_ref.at[pl.ds(t0, chunk), h], mask=inb[:, 0], other=0.0).astype(f32)[:, None]
+        if gate:
+            g = lower_bound * jax.nn.sigmoid(jnp.exp(a_log) * g)
+        if qk_norm:
+            q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk ** -0.5
+            k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
+        g = jnp.where(real, g, 0.0)
+        beta = jnp.where(real, beta, 0.0)
+
+        gc = jnp.cumsum(g, axis=0)  # G_t, inclusive
+        anchor = jnp.sum(jnp.where(rows == chunk // 2 - 1, gc, 0.0), axis=0, keepdims=True)
+        g_end = jnp.sum(jnp.where(rows == chunk - 1, gc, 0.0), axis=0, keepdims=True)
+        up, down = jnp.exp(gc - anchor), jnp.exp(anchor - gc)
+        k_down = (k * down).astype(bf16)
+        a = jnp.where(rows > cols, dot_nt((k * up).astype(bf16), k_down), 0.0) * beta
+        m = jnp.where(rows >= cols, dot_nt((q * up).astype(bf16), k_down), 0.0)
+        # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A^C = 0
+        x, p = eye - a, a
+        for _ in range(int(math.log2(chunk)) - 1):
+            p = jnp.dot(p, p, preferred_element_type=f32)
+            x = x + jnp.dot(x, p, preferred_element_type=f32)
+        decay = jnp.exp(gc)
+        w = jnp.dot(x, k * decay * beta, preferred_element_type=f32)
+        u = jnp.dot(x, v * beta, preferred_element_type=f32)
+        s16 = s.astype(bf16)
+        u = u - jnp.dot(w.astype(bf16), s16, preferred_element_type=f32)
+        u16 = u.astype(bf16)
+        o = jnp.dot((q * decay).astype(bf16), s16, preferred_element_type=f32) + \
+            jnp.dot(m.astype(bf16), u16, preferred_element_type=f32)
+        plt.store(o_ref.at[pl.ds(t0, chunk), h, vt], o.astype(o_ref.dtype),
+                  mask=jnp.broadcast_to(inb, (chunk, block_v)))
+        k_tail = (k * jnp.exp(g_end - gc)).astype(bf16)
+        s = s * jnp.exp(g_end).T + dot_tn(k_tail, u16)
+        if cp_every:
+            done = j + 1
+            full = (done % cp_every == 0) & (done * chunk <= eos - bos)
+            row = jnp.minimum(cpo_ref[n] + done // cp_every - 1, cp_ref[0].shape[0] - 1)
+            plt.store(cp_ref[0].at[row, h, :, vt], s.astype(cp_ref[0].dtype),
+                      mask=jnp.broadcast_to(full, s.shape))
+        return s
+
+    s = s0_ref[n, h, :, vt].astype(f32)
+    s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, s)
+    sf_ref[n, h, :, vt] = s.astype(sf_ref.dtype)
+
+
+def _tuning(tuning):
+    t = dict(TUNING)
+    t.update(tuning or {})
+    return t
+
+
+def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=False, lengths=None,
+             cu_seqlens=None, checkpoint=0, out_dtype=None, interpret=None, tuning=None):
+    t = _tuning(tuning)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("s0", s0)):
+        if jnp.dtype(x.dtype) == jnp.float64:
+            raise Unsupported(f"kda_prefill kernel: {name} is float64 (the kernel computes in fp32)")
+    dk, dv = q.shape[-1], v.shape[-1]
+    for name, d in (("K", dk), ("V", dv)):
+        if d < 16 or d & (d - 1):
+            raise Unsupported(f"kda_prefill kernel: head dim {name} = {d} is not a power of two >= 16")
+    if dv % min(t["block_v"], dv):
+        raise Unsupported(f"kda_prefill kernel: V = {dv} is not a multiple of block_v = {t['block_v']}")
+    if checkpoint and checkpoint % t["chunk"]:
+        raise Unsupported(f"kda_prefill kernel: checkpoint = {checkpoint} is not a multiple of the chunk {t['chunk']}")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise Unsupported(f"kda_prefill kernel: packed sequences need batch 1, got q {q.shape}")
+    if a_log is not None and lower_bound is None:
+        raise Unsupported("kda_prefill kernel: a_log given without lower_bound")
+    if lower_bound is not None and t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
+        raise Unsupported(f"kda_prefill kernel: gate bound {lower_bound} with chunk {t['chunk']} could overflow")
+
+
+@register("kda_prefill", supports)
+def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=False, lengths=None,
+                cu_seqlens=None, checkpoint=0, out_dtype=None, interpret=None, tuning=None):
+    """The Pallas implementation of `kimik3_jax.ops.kda.kda_prefill` (same arguments and results), plus
+    `interpret` (None: interpret unless on a GPU) and `tuning` (overrides of TUNING)."""
+    supports(q, k, v, g, beta, s0, a_log=a_log, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+             checkpoint=checkpoint, tuning=tuning)
+    t = _tuning(tuning)
+    b, tt, nh, dk = q.shape
+    dv = v.shape[-1]
+    block_v = min(t["block_v"], dv)
+    chunk = t["chunk"]
+    flat = lambda x: x.reshape(b * tt, *x.shape[2:])
+    if cu_seqlens is None:
+        cu = (jnp.arange(b + 1) * tt).astype(jnp.int32)
+        ends = cu[:-1] + (cu[1:] - cu[:-1] if lengths is None else jnp.minimum(lengths, tt).astype(jnp.int32))
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
+        ends = cu[1:]
+    nseq = cu.shape[0] - 1
+    if nseq != s0.shape[0]:
+        raise ValueError(f"s0 {s0.shape} holds {s0.shape[0]} states for {nseq} sequences")
+    out_dtype = jnp.dtype(out_dtype or jnp.float32)
+    n_cp = (tt // checkpoint) * (b if cu_seqlens is None else 1) if checkpoint else 0
+    cp_every = checkpoint // chunk if n_cp else 0
+    if cu_seqlens is None or not n_cp:
+        cpo = (jnp.arange(nseq) * (tt // checkpoint if checkpoint else 0)).astype(jnp.int32)
+    else:
+        per_seq = (cu[1:] - cu[:-1]) // checkpoint
+        cpo = (jnp.cumsum(per_seq) - per_seq).astype(jnp.int32)
+    a_log_arr = jnp.zeros((nh,), jnp.float32) if a_log is None else a_log.astype(jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((b * tt, nh, dv), out_dtype),
+                 jax.ShapeDtypeStruct((nseq, nh, dk, dv), jnp.float32)]
+    if n_cp:
+        out_shape.append(jax.ShapeDtypeStruct((n_cp, nh, dk, dv), jnp.float32))
+    kernel = functools.partial(
+        _prefill_kernel, heads=nh, chunk=chunk, block_v=block_v,
+        lower_bound=float(lower_bound) if lower_bound is not None else 0.0, gate=a_log is not None,
+        qk_norm=qk_norm, cp_every=cp_every)
+    outs = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(nseq * nh, dv // block_v),
+        interpret=resolve_interpret(interpret), name="kda_prefill",
+        compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
+    )(cu, ends, cpo, a_log_arr, flat(q), flat(k), flat(v), flat(g), flat(beta), s0.astype(jnp.float32))
+    o = outs[0].reshape(b, tt, nh, dv)
+    if not checkpoint:
+        return o, outs[1]
+    if n_cp:
+        cps = outs[2]
+    else:
+        cps = jnp.zeros((0, nh, dk, dv), jnp.float32)
+    if cu_seqlens is None:
+        cps = cps.reshape(b, tt // checkpoint, nh, dk, dv)
+    return o, outs[1], cps

@@ -1,0 +1,87 @@
+"""The KDA kernels compiled for the GPU (Triton) at the benchmark shapes, against the plain-JAX chunked
+scan in fp32 on the same bf16-rounded inputs: outputs and final states at bf16 level; packed sequences of
+unequal lengths with their chunk-boundary checkpoints; the fused decode step on a slot pool."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimik3_jax.ops.kda import kda_decode as decode_ref
+from kimik3_jax.ops.kda import kda_prefill as prefill_ref
+from pallas_kernels.kda.decode import kda_decode
+from pallas_kernels.kda.prefill import kda_prefill
+
+BF16_LEVEL = 1e-2
+D = 128
+
+
+def rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.abs(x - ref).max() / np.abs(ref).max()
+
+
+def inputs(b, t, h, seed=0, gate="random"):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q, k, v = (jax.random.normal(ks[i], (b, t, h, D), jnp.bfloat16) for i in range(3))
+    z = 3 * jax.random.normal(ks[3], (b, t, h, D), jnp.float32)
+    if gate == "bound":
+        z = jnp.full_like(z, 60.0)  # sigmoid(exp(a_log) z) = 1: g at the -5 bound
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h), jnp.float32))
+    s0 = 0.1 * jax.random.normal(ks[5], (b, h, D, D), jnp.float32)
+    return q, k, v, z, beta, s0
+
+
+GATE = dict(lower_bound=-5.0, qk_norm=True)
+
+
+@pytest.mark.parametrize("b,t,h,gate", [(1, 8192, 96, "random"), (16, 4096, 12, "random"), (8, 2048, 12, "bound"),
+                                        (2, 1000, 4, "random"), (3, 1, 4, "random")])
+def test_prefill_matches_chunked_scan(b, t, h, gate):
+    q, k, v, z, beta, s0 = inputs(b, t, h, gate=gate)
+    a_log = jnp.linspace(-1, 1, h, dtype=jnp.float32)
+    o, s = jax.jit(lambda *x: kda_prefill(*x, a_log=a_log, out_dtype=jnp.bfloat16, **GATE))(q, k, v, z, beta, s0)
+    ro, rs = jax.jit(lambda *x: prefill_ref(*x, a_log=a_log, **GATE))(q, k, v, z, beta, s0)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    assert rel(o, ro) < BF16_LEVEL, rel(o, ro)
+    assert rel(s, rs) < BF16_LEVEL, rel(s, rs)
+
+
+def test_packed_sequences_and_checkpoints():
+    lens = [700, 1, 2048, 333, 64]
+    h, cp = 8, 64
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    t = int(cu[-1])
+    q, k, v, z, beta, _ = inputs(1, t, h, seed=3)
+    s0 = 0.1 * jax.random.normal(jax.random.key(9), (len(lens), h, D, D), jnp.float32)
+    a_log = jnp.zeros((h,), jnp.float32)
+    kw = dict(a_log=a_log, cu_seqlens=cu, checkpoint=cp, **GATE)
+    o, s, c = jax.jit(lambda *x: kda_prefill(*x, **kw))(q, k, v, z, beta, s0)
+    ro, rs, rc = jax.jit(lambda *x: prefill_ref(*x, **kw))(q, k, v, z, beta, s0)
+    assert rel(o, ro) < BF16_LEVEL and rel(s, rs) < BF16_LEVEL
+    n_cp = sum(n // cp for n in lens)
+    assert rel(c[:n_cp], rc[:n_cp]) < BF16_LEVEL
+    assert np.all(np.asarray(c[n_cp:]) == 0) or c.shape[0] == n_cp
+
+
+@pytest.mark.parametrize("n", [1, 32, 256])
+def test_decode_matches_reference(n):
+    h, w, pool = 96, 4, n + 3
+    ks = jax.random.split(jax.random.key(n), 9)
+    qkv = jax.random.normal(ks[0], (n, 3, h * D), jnp.bfloat16)
+    conv_w = 0.5 * jax.random.normal(ks[1], (3, h * D, w), jnp.float32)
+    conv_pool = jax.random.normal(ks[2], (pool, 3, w - 1, h * D), jnp.bfloat16)
+    s_pool = 0.1 * jax.random.normal(ks[3], (pool, h, D, D), jnp.float32)
+    slots = jax.random.permutation(ks[4], pool)[:n].astype(jnp.int32)
+    z = 3 * jax.random.normal(ks[5], (n, h, D), jnp.float32)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[6], (n, h), jnp.float32))
+    gate = jax.random.normal(ks[7], (n, h, D), jnp.float32)
+    norm_w = 1 + 0.1 * jax.random.normal(ks[8], (D,), jnp.float32)
+    lengths = (jnp.arange(n) % 5 != 4).astype(jnp.int32)  # some inactive slots
+    kw = dict(eps=1e-5, lengths=lengths, a_log=jnp.linspace(-1, 1, h, dtype=jnp.float32), lower_bound=-5.0)
+    args = (qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w)
+    o, c, s = jax.jit(lambda *a: kda_decode(*a, **kw))(*args)
+    ro, rc, rs = jax.jit(lambda *a: decode_ref(*a, **kw))(*args)
+    assert rel(o, ro) < BF16_LEVEL
+    assert rel(s, rs) < 1e-5
+    np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(rc, np.float32))
+

@@ -1,0 +1,235 @@
+"""The Pallas KDA kernels (pallas_kernels/kda) in interpret mode on the CPU, against the float64 NumPy
+reference: the chunked prefill (T not a multiple of the chunk, T = 1, the -5 gate bound, non-zero initial
+states, per-row lengths, packed sequences of unequal lengths with their own states, chunk-boundary
+checkpoints equal to the recurrence's states there) and the fused decode step on a slot pool (against
+the pure op kda_decode and the NumPy conv + recurrence); the impl switch; the model with impl="pallas".
+
+q, k, v are bf16 and the kernels' matmuls run on bf16 operands (fp32 accumulation, as on the GPU), so
+outputs compare at bf16 level (BF16_RTOL = 1e-2) against float64 on the same bf16-rounded inputs.
+Kept small (K = V = 32, two heads, a few chunks) so the whole file runs in well under a minute.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import k3_numpy as ref
+from test_ops_basic import BF16_RTOL, F32_RTOL, assert_close
+
+from kimik3_jax.ops import impl as impl_mod
+from kimik3_jax.ops.kda import kda_decode as decode_op
+from kimik3_jax.ops.kda import kda_prefill as prefill_op
+from pallas_kernels.kda.decode import kda_decode
+from pallas_kernels.kda.prefill import kda_prefill
+
+LB = -5.0
+H, D = 2, 32
+SMALL = dict(chunk=16, block_v=16)  # two value tiles, chunk 16
+bf16_round = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+
+
+def raw_inputs(rng, b, t, gates="random", n_states=None):
+    """Kernel inputs before the fused prologue: q, k, v (bf16 values as float64), the gate
+    pre-activation z, beta, s0 and a_log."""
+    q, k, v = (bf16_round(rng.standard_normal((b, t, H, D))) for _ in range(3))
+    z = rng.standard_normal((b, t, H, D)) * 3
+    if gates == "bound":
+        z = np.full_like(z, 200.0)  # sigmoid -> 1: g = -5 (to fp32 rounding)
+    beta = ref.sigmoid(rng.standard_normal((b, t, H)) * 2)
+    s0 = rng.standard_normal((n_states or b, H, D, D))
+    a_log = rng.uniform(-1, 1, size=H)
+    return q, k, v, z, beta, s0, a_log
+
+
+def reference_seq(q, k, v, z, beta, s0, a_log, upto=None):
+    """float64 recurrence for one sequence [T, H, ...] with the fused prologue; states after each token
+    in `upto` too."""
+    qn = ref.l2_normalize(q, ref.L2_EPS) * D ** -0.5
+    kn = ref.l2_normalize(k, ref.L2_EPS)
+    g = ref.kda_gate(z, a_log, LB)
+    o, s = ref.kda_recurrent(qn, kn, v, g, beta, s0)
+    states = [ref.kda_recurrent(qn[:n], kn[:n], v[:n], g[:n], beta[:n], s0)[1] for n in (upto or [])]
+    return o, s, states
+
+
+def run_prefill(x, **kw):
+    q, k, v, z, beta, s0, a_log = x
+    args = [jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
+            jnp.asarray(z, jnp.float32), jnp.asarray(beta, jnp.float32), jnp.asarray(s0, jnp.float32)]
+    return kda_prefill(*args, a_log=jnp.asarray(a_log, jnp.float32), lower_bound=LB, qk_norm=True,
+                       interpret=True, **kw)
+
+
+@pytest.mark.parametrize("t,gates,tuning", [(45, "random", None), (1, "random", None), (64, "bound", SMALL),
+                                            (37, "bound", None), (50, "random", SMALL)])
+def test_prefill_kernel_matches_reference(t, gates, tuning):
+    rng = np.random.default_rng([601, t])
+    x = raw_inputs(rng, 2, t, gates)
+    o, s = run_prefill(x, tuning=tuning)
+    assert o.dtype == jnp.float32 and o.shape == (2, t, H, D) and s.shape == (2, H, D, D)
+    for b in range(2):
+        o_ref, s_ref, _ = reference_seq(*(a[b] for a in x[:6]), x[6])
+        assert_close(o[b], o_ref, BF16_RTOL, axis=(0, 2), what=f"prefill T={t} {gates} outputs")
+        assert_close(s[b], s_ref, BF16_RTOL, axis=(-2, -1), what=f"prefill T={t} {gates} state")
+
+
+def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op():
+    rng = np.random.default_rng(602)
+    x = raw_inputs(rng, 2, 40)
+    lengths = jnp.asarray([40, 23], jnp.int32)
+    o, s = run_prefill(x, lengths=lengths, out_dtype=jnp.bfloat16, tuning=SMALL)
+    assert o.dtype == jnp.bfloat16
+    _, s_ref, _ = reference_seq(*(a[1, :23] for a in x[:5]), x[5][1], x[6])
+    assert_close(s[1], s_ref, BF16_RTOL, axis=(-2, -1), what="state after 23 real tokens")
+    # the pure op (fp32) on the same call: outputs everywhere, identity tail included
+    q, k, v, z, beta, s0, a_log = x
+    args = [jnp.asarray(a, dt) for a, dt in zip(x[:6], [jnp.bfloat16] * 3 + [jnp.float32] * 3)]
+    o_op, s_op = prefill_op(*args, a_log=jnp.asarray(a_log, jnp.float32), lower_bound=LB, qk_norm=True,
+                            lengths=lengths)
+    assert_close(o, o_op, BF16_RTOL, axis=(1, 3), what="kernel vs op outputs")
+    assert_close(s, s_op, BF16_RTOL, axis=(-2, -1), what="kernel vs op states")
+
+
+def test_packed_sequences_with_own_states_and_checkpoints():
+    lens = [37, 1, 70, 16, 0, 33]
+    cp = 16
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    rng = np.random.default_rng(603)
+    x = raw_inputs(rng, 1, int(cu[-1]), "random", n_states=len(lens))
+    o, s, c = run_prefill(x, cu_seqlens=jnp.asarray(cu, jnp.int32), checkpoint=cp, tuning=SMALL)
+    assert c.shape == (int(cu[-1]) // cp, H, D, D)
+    row = 0
+    for n, ln in enumerate(lens):
+        seq = [a[0, cu[n]:cu[n + 1]] for a in x[:5]]
+        marks = [cp * (j + 1) for j in range(ln // cp)]
+        o_ref, s_ref, states = reference_seq(*seq, x[5][n], x[6], upto=marks)
+        if ln:
+            assert_close(o[0, cu[n]:cu[n + 1]], o_ref, BF16_RTOL, axis=(0, 2), what=f"packed seq {n} outputs")
+        assert_close(s[n], s_ref, BF16_RTOL, axis=(-2, -1), what=f"packed seq {n} final state")
+        for j, want in enumerate(states):
+            assert_close(c[row + j], want, BF16_RTOL, axis=(-2, -1), what=f"seq {n} checkpoint {j}")
+        row += len(states)
+    np.testing.assert_array_equal(np.asarray(c[row:]), 0)
+    # the pure op lays the checkpoints out the same way
+    args = [jnp.asarray(a, dt) for a, dt in zip(x[:6], [jnp.bfloat16] * 3 + [jnp.float32] * 3)]
+    _, _, c_op = prefill_op(*args, a_log=jnp.asarray(x[6], jnp.float32), lower_bound=LB, qk_norm=True,
+                            cu_seqlens=jnp.asarray(cu, jnp.int32), checkpoint=cp)
+    assert_close(c[:row], c_op[:row], BF16_RTOL, axis=(-2, -1), what="kernel vs op checkpoints")
+
+
+def test_batch_checkpoints_equal_recurrence_states():
+    rng = np.random.default_rng(604)
+    x = raw_inputs(rng, 2, 50, "bound")
+    o, s, c = run_prefill(x, checkpoint=32)
+    assert c.shape == (2, 1, H, D, D)
+    for b in range(2):
+        _, _, states = reference_seq(*(a[b] for a in x[:6]), x[6], upto=[32])
+        assert_close(c[b, 0], states[0], BF16_RTOL, axis=(-2, -1), what="checkpoint at 32")
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+def decode_inputs(rng, n, pool, width=4):
+    c = H * D
+    return dict(
+        qkv=jnp.asarray(rng.standard_normal((n, 3, c)), jnp.bfloat16),
+        conv_w=jnp.asarray(rng.standard_normal((3, c, width)) / 2, jnp.float32),
+        conv_pool=jnp.asarray(rng.standard_normal((pool, 3, width - 1, c)), jnp.bfloat16),
+        s_pool=jnp.asarray(rng.standard_normal((pool, H, D, D)), jnp.float32),
+        slots=jnp.asarray(rng.permutation(pool)[:n], jnp.int32),
+        g=jnp.asarray(rng.standard_normal((n, H, D)) * 3, jnp.float32),
+        beta=jnp.asarray(rng.random((n, H)), jnp.float32),
+        gate=jnp.asarray(rng.standard_normal((n, H, D)), jnp.float32),
+        norm_w=jnp.asarray(rng.random(D) + 0.5, jnp.float32))
+
+
+def test_decode_kernel_matches_op_and_reference():
+    rng = np.random.default_rng(605)
+    n, pool = 4, 7
+    x = decode_inputs(rng, n, pool)
+    lengths = jnp.asarray([1, 0, 1, 1], jnp.int32)
+    kw = dict(eps=1e-5, lengths=lengths, a_log=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32), lower_bound=LB)
+    o, conv, s = kda_decode(*x.values(), interpret=True, **kw)
+    o_op, conv_op, s_op = decode_op(*x.values(), **kw)
+    assert o.dtype == jnp.bfloat16 and conv.shape == x["conv_pool"].shape and s.shape == x["s_pool"].shape
+    assert_close(o, o_op, BF16_RTOL, axis=-1, what="decode output vs op")
+    assert_close(s, s_op, F32_RTOL, axis=(-2, -1), what="decode state vs op")
+    np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(conv_op, np.float32))
+    untouched = np.setdiff1d(np.arange(pool), np.asarray(x["slots"])[np.asarray(lengths) > 0])
+    np.testing.assert_array_equal(np.asarray(s)[untouched], np.asarray(x["s_pool"])[untouched])
+    np.testing.assert_array_equal(np.asarray(conv, np.float32)[untouched],
+                                  np.asarray(x["conv_pool"], np.float32)[untouched])
+    # float64 NumPy: conv + SiLU (rounded to bf16 as the layer does), prologue, one recurrence step, gated norm
+    for i in np.flatnonzero(np.asarray(lengths)):
+        slot = int(x["slots"][i])
+        ys = []
+        for j in range(3):
+            y, _ = ref.causal_conv(np.asarray(x["qkv"][i, j:j + 1], np.float64)[None][0],
+                                   np.asarray(x["conv_w"][j], np.float64)[:, None, :],
+                                   np.asarray(x["conv_pool"][slot, j], np.float64))
+            ys.append(bf16_round(ref.silu(y))[0].reshape(H, D))
+        g = ref.kda_gate(np.asarray(x["g"][i], np.float64), np.asarray(kw["a_log"], np.float64), LB)
+        qn = ref.l2_normalize(ys[0], ref.L2_EPS) * D ** -0.5
+        kn = ref.l2_normalize(ys[1], ref.L2_EPS)
+        o_ref, s_ref = ref.kda_recurrent(qn[None], kn[None], ys[2][None], g[None],
+                                         np.asarray(x["beta"][i], np.float64)[None],
+                                         np.asarray(x["s_pool"][slot], np.float64))
+        o_ref = ref.rms_norm(o_ref[0], np.asarray(x["norm_w"], np.float64), 1e-5) * \
+            ref.sigmoid(np.asarray(x["gate"][i], np.float64))
+        assert_close(o[i], o_ref, BF16_RTOL, axis=-1, what=f"decode output {i} vs NumPy")
+        assert_close(s[slot], s_ref, F32_RTOL, axis=(-2, -1), what=f"decode state {i} vs NumPy")
+
+
+# ------------------------------------------------------------------------------------------- the switch
+
+def test_switch_falls_back_and_refuses():
+    k = impl_mod.kernel("kda_prefill")
+    assert k is not None and impl_mod.kernel("kda_decode") is not None
+    with jax.enable_x64(True):
+        x = [jnp.zeros((1, 3, H, D), jnp.float64)] * 4 + [jnp.zeros((1, 3, H), jnp.float64),
+                                                          jnp.zeros((1, H, D, D), jnp.float64)]
+        with pytest.raises(impl_mod.Unsupported, match="float64"):
+            impl_mod.dispatch("kda_prefill", "pallas", prefill_op, *x)
+        o, s = impl_mod.dispatch("kda_prefill", "auto", prefill_op, *x)  # CPU, float64: the pure op
+        assert o.dtype == jnp.float64
+    x = [jnp.zeros((1, 3, H, 24), jnp.bfloat16)] * 3 + [jnp.zeros((1, 3, H, 24)), jnp.zeros((1, 3, H)),
+                                                        jnp.zeros((1, H, 24, 24))]
+    with pytest.raises(impl_mod.Unsupported, match="power of two"):
+        k.supports(*x)
+
+
+def test_model_selects_the_kernels_with_the_ops_arguments(tiny_ckpt, monkeypatch):
+    """The tiny model (float32) run with its KDA ops through the kernels (interpret mode): every call the
+    layer makes, prefill with right padding and decode steps, gives the kernel's result and the pure
+    op's at bf16 level on outputs and states (conv tails exactly). Whole-model logits are not compared:
+    bf16-level differences flip the tiny model's MoE routing. Only the KDA ops are switched (other ops'
+    kernels have their own dtype rules): in the run with impl="auto" (CPU: every op falls back) the
+    layer's KDA dispatch calls both."""
+    from kimik3_jax.checkpoint.open import load_checkpoint
+    from kimik3_jax.model import cast_params, decode_step, init_state, layers, prefill
+
+    errors = []
+
+    def both(name, impl, reference, *args, **kwargs):
+        want = impl_mod.dispatch(name, "xla", reference, *args, **kwargs)
+        got = impl_mod.dispatch(name, "pallas", reference, *args, **kwargs)
+        rel = [jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max() / jnp.abs(w.astype(jnp.float32)).max()
+               for g, w in zip(got, want)]
+        jax.debug.callback(lambda *e: errors.append((name, [float(x) for x in e])), *rel)
+        return got
+    monkeypatch.setattr(layers, "dispatch", both)
+    cfg, params = load_checkpoint(tiny_ckpt)
+    params = cast_params(params, jnp.float32)
+    cfg = cfg.with_runtime(impl="auto")
+    b, t = 2, 20
+    tokens = np.random.default_rng(606).integers(0, cfg.vocab_size, size=(b, t)).astype(np.int32)
+    state = init_state(cfg, b, 32, jnp.float32)
+    _, state = jax.jit(prefill, static_argnums=1)(params, cfg, tokens, np.array([20, 13], np.int32), state)
+    for j in range(2):
+        _, state = jax.jit(decode_step, static_argnums=1)(params, cfg, state, tokens[:, j])
+    jax.effects_barrier()
+    names = {n for n, _ in errors}
+    assert names == {"kda_prefill", "kda_decode"}, names
+    for name, errs in errors:
+        assert max(errs) <= BF16_RTOL, (name, errs)
+        if name == "kda_decode":
+            assert errs[1] == 0.0, "conv tails must be copied exactly"
