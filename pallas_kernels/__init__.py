@@ -5,7 +5,7 @@ it with `cfg.with_runtime(impl="pallas" | "auto")`. On a non-GPU backend kernels
 
 import importlib
 
-KERNEL_MODULES = ("kda",)  # each package here registers its kernels on import
+KERNEL_MODULES = ("kda", "moe")  # each package here registers its kernels on import
 
 for _name in KERNEL_MODULES:
     importlib.import_module(f"{__name__}.{_name}")

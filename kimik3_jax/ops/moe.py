@@ -6,12 +6,16 @@ Expert weights stay as released: w1/w3 [E, F, L], w2 [E, L, F] (packed: [.., in/
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.mxfp4 import dequantize
+from kimik3_jax.ops import impl
 from kimik3_jax.ops.common import HIGHEST, acc_dtype, linear, mlp, rms_norm, situ
+from kimik3_jax.sharding.experts import expert_parallel
 
 ROUTER_EPS = 1e-20  # added to the sum of the chosen scores before renormalising (reference code)
 
@@ -95,7 +99,9 @@ def latent_moe(x: jax.Array, p, cfg: ModelConfig) -> jax.Array:
     x = x.reshape(-1, shape[-1])
     idx, w = route(x, p.router, p.router_bias, m.top_k, m.renormalize, m.routed_scaling_factor)
     xl = linear(x, p.latent_down)
-    y = routed_experts(xl, idx, w, p.experts, cfg.situ_beta, cfg.situ_linear_beta).astype(x.dtype)
+    routed = partial(impl.dispatch, "routed_experts", cfg.runtime.impl, routed_experts, beta=cfg.situ_beta,
+                     linear_beta=cfg.situ_linear_beta)
+    y = expert_parallel(cfg, routed, xl, idx, w, p.experts).astype(x.dtype)
     if m.latent_use_norm:
         y = rms_norm(y, p.latent_norm, cfg.rms_norm_eps)
     y = linear(y, p.latent_up)

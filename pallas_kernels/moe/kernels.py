@@ -1,0 +1,143 @@
+"""Grouped GEMMs over packed MXFP4 expert weights (Triton-style `pl.pallas_call`).
+
+Both kernels run on the block-aligned layout of dispatch.py: grid (tile, N block); a program reads its
+tile's expert id, skips the whole body for an unused tile, and otherwise loops over K, decoding each
+weight tile [bn, bk] from its bytes in registers (decode.py) and accumulating bf16 x bf16 -> fp32.
+
+- `gate_up`: x [N, L] gathered by slot (token ids, no copy of x per pair), w1 and w3 [E, F, L] in one
+  pass (two accumulators), SiTU epilogue -> h [T*bm, F] in the activation dtype.
+- `down`: h [T*bm, F] by w2 [E, L, F], times each slot's routing weight -> y [T*bm, L] in fp32.
+
+Two regimes share the code and differ in tiles (see `TileConfig`): decode (few tokens per expert, bm 16:
+weight streaming, the F or L axis split into many N blocks to fill the SMs) and prefill (bm 64-128,
+tensor-core bound). Weight refs are whole arrays in HBM indexed by the tile's expert (64-bit offsets).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kimik3_jax.ops.common import situ
+from pallas_kernels.moe import decode as dec
+
+_CompilerParams = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's tiles: bn output columns, bk reduction elements (a multiple of 32), Triton knobs."""
+    bn: int
+    bk: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    bm: int  # rows per tile (slots of one expert); 16 is the smallest tensor-core tile
+    gate_up: Tiles
+    down: Tiles
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+
+
+def _dot_t(a, b):
+    """a [m, k] @ b[n, k]^T in fp32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3p_ref, w3s_ref, h_ref, *,
+                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode):
+    t, j = pl.program_id(0), pl.program_id(1)
+    e = tile_expert_ref[t]
+
+    @pl.when(e < num_experts)
+    def _():
+        rows = slot_token_ref[pl.ds(t * bm, bm)]
+        n = pl.ds(j * bn, bn)
+
+        def step(kb, accs):
+            a1, a3 = accs
+            x = x_ref[rows, pl.ds(kb * bk, bk)]  # gather of the tile's tokens
+            kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
+            w1 = decode(w1p_ref[e, n, kp], w1s_ref[e, n, ks])
+            w3 = decode(w3p_ref[e, n, kp], w3s_ref[e, n, ks])
+            return a1 + _dot_t(x, w1), a3 + _dot_t(x, w3)
+
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        a1, a3 = jax.lax.fori_loop(0, num_k, step, (zero, zero))
+        h_ref[pl.ds(t * bm, bm), n] = situ(a1, a3, beta, linear_beta).astype(h_ref.dtype)
+
+
+def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_ref, *,
+                 bm, bn, bk, num_k, num_experts, decode):
+    t, j = pl.program_id(0), pl.program_id(1)
+    e = tile_expert_ref[t]
+
+    @pl.when(e < num_experts)
+    def _():
+        slots, n = pl.ds(t * bm, bm), pl.ds(j * bn, bn)
+
+        def step(kb, acc):
+            h = h_ref[slots, pl.ds(kb * bk, bk)]
+            kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
+            return acc + _dot_t(h, decode(w2p_ref[e, n, kp], w2s_ref[e, n, ks]))
+
+        acc = jax.lax.fori_loop(0, num_k, step, jnp.zeros((bm, bn), jnp.float32))
+        y_ref[slots, n] = acc * slot_weight_ref[slots][:, None]
+
+
+def _decoder(name: str):
+    return {"exact": dec.decode, "reinterpret": dec.reinterpret}[name]
+
+
+def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
+    """Raise ValueError unless the tiles divide [n, k] (bk a multiple of 32, powers of two for Triton)."""
+    for name, size, dim in (("bn", tiles.bn, n), ("bk", tiles.bk, k)):
+        if size < 16 or size & (size - 1) or dim % size:
+            raise ValueError(f"{what}: {name}={size} must be a power of two >= 16 dividing {dim}")
+    if tiles.bk % dec.GROUP:
+        raise ValueError(f"{what}: bk={tiles.bk} must be a multiple of {dec.GROUP}")
+
+
+def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, bm: int, tiles: Tiles,
+            interpret: bool | None = None, decode: str = "exact"):
+    """x [N, L] bf16, w1/w3 packed [E, F, L/2] + scales [E, F, L/32] -> h [T*bm, F] in x's dtype."""
+    num_experts, f, half = w1p.shape
+    latent = 2 * half
+    check_tiles("gate_up", f, latent, tiles)
+    slots = slot_token.shape[0]
+    kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
+                               num_experts=num_experts, beta=beta, linear_beta=linear_beta,
+                               decode=_decoder(decode))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((slots, f), x.dtype), grid=(slots // bm, f // tiles.bn),
+        compiler_params=_CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=resolve_interpret(interpret), name="moe_gate_up_mxfp4",
+    )(tile_expert, slot_token, x, w1p, w1s, w3p, w3s)
+
+
+def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret: bool | None = None,
+         decode: str = "exact"):
+    """h [T*bm, F] bf16, w2 packed [E, L, F/2] + scales [E, L, F/32] -> y [T*bm, L] fp32, each slot's row
+    times its routing weight."""
+    num_experts, latent, half = w2p.shape
+    f = 2 * half
+    check_tiles("down", latent, f, tiles)
+    slots = h.shape[0]
+    kernel = functools.partial(_down_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=f // tiles.bk,
+                               num_experts=num_experts, decode=_decoder(decode))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((slots, latent), jnp.float32),
+        grid=(slots // bm, latent // tiles.bn),
+        compiler_params=_CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=resolve_interpret(interpret), name="moe_down_mxfp4",
+    )(tile_expert, slot_weight, h, w2p, w2s)

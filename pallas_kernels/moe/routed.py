@@ -1,0 +1,96 @@
+"""The Pallas implementation of `kimik3_jax.ops.moe.routed_experts` (same signature), registered under
+that name: block-aligned dropless dispatch, the fused gate+up kernel with the SiTU epilogue, the down
+kernel applying the routing weights, and the combine by gather in top-k order."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from kimik3_jax.ops.impl import Unsupported, register
+from pallas_kernels.moe import dispatch as dsp
+from pallas_kernels.moe.kernels import TileConfig, Tiles, check_tiles, down, gate_up
+
+# First choices, not yet tuned on the GPU: benchmarks/moe.py sweeps alternatives at K3's widths
+# (latent 3584, expert 3072); see docs/benchmarks.md.
+DECODE = TileConfig(bm=16, gate_up=Tiles(bn=64, bk=128, num_warps=4, num_stages=4),
+                    down=Tiles(bn=64, bk=128, num_warps=4, num_stages=4))
+PREFILL = TileConfig(bm=128, gate_up=Tiles(bn=128, bk=64, num_warps=8, num_stages=3),
+                     down=Tiles(bn=128, bk=64, num_warps=8, num_stages=3))
+DECODE_MAX_ROWS = 32  # mean pairs per expert up to which weight streaming (bm 16) wins
+
+
+def choose_config(pairs: int, num_experts: int) -> TileConfig:
+    return DECODE if pairs <= DECODE_MAX_ROWS * num_experts else PREFILL
+
+
+def fit(config: TileConfig, latent: int, width: int) -> TileConfig:
+    """Shrink tiles (by halving) to divide smaller widths than K3's, e.g. the test presets'."""
+    def shrink(t: Tiles, n: int, k: int) -> Tiles:
+        bn, bk = t.bn, t.bk
+        while bn > 16 and n % bn:
+            bn //= 2
+        while bk > 32 and k % bk:
+            bk //= 2
+        return Tiles(bn, bk, t.num_warps, t.num_stages)
+    return TileConfig(config.bm, shrink(config.gate_up, width, latent), shrink(config.down, latent, width))
+
+
+def _packed(experts) -> bool:
+    return all(hasattr(experts, a) for a in ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed",
+                                             "w2_scale"))
+
+
+def supports(xl, idx, weights, experts, beta, linear_beta, strategy="auto", *, config=None, interpret=None,
+             decode="exact"):
+    if not _packed(experts):
+        raise Unsupported("routed_experts kernel: needs packed MXFP4 experts (w1_packed, ...), got "
+                          f"{type(experts).__name__}")
+    if jnp.dtype(xl.dtype) != jnp.bfloat16:
+        raise Unsupported(f"routed_experts kernel: activations must be bfloat16, got {jnp.dtype(xl.dtype)}")
+    for name in ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale"):
+        a = getattr(experts, name)
+        if a.ndim != 3 or jnp.dtype(a.dtype) != jnp.uint8:
+            raise Unsupported(f"routed_experts kernel: experts.{name} must be uint8 [E, out, in/..] "
+                              f"(one layer), got {jnp.dtype(a.dtype)} {tuple(a.shape)}")
+    num_experts, width, half = experts.w1_packed.shape
+    if xl.ndim != 2 or xl.shape[1] != 2 * half or idx.shape != weights.shape or idx.shape[0] != xl.shape[0]:
+        raise Unsupported(f"routed_experts kernel: expected xl [N, {2 * half}] and idx/weights [N, k], got "
+                          f"{tuple(xl.shape)}, {tuple(idx.shape)}, {tuple(weights.shape)}")
+    cfg = fit(config or choose_config(idx.size, num_experts), 2 * half, width)
+    try:
+        check_tiles("gate_up", width, 2 * half, cfg.gate_up)
+        check_tiles("down", 2 * half, width, cfg.down)
+    except ValueError as err:
+        raise Unsupported(f"routed_experts kernel: {err}") from None
+
+
+@register("routed_experts", supports)
+def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto", *, config=None,
+                   interpret=None, decode="exact"):
+    """Same contract as `kimik3_jax.ops.moe.routed_experts` (bf16 xl [N, L], packed experts of one layer)
+    -> [N, L] float32. `strategy` is the pure op's and is ignored: the tiles follow the number of pairs per
+    expert (`choose_config`) unless `config` is given. `decode="reinterpret"` is a benchmark diagnostic
+    (wrong values)."""
+    del strategy
+    n, k = idx.shape
+    num_experts, width, half = experts.w1_packed.shape
+    cfg = fit(config or choose_config(n * k, num_experts), 2 * half, width)
+    layout = dsp.block_layout(idx, weights, num_experts, cfg.bm)
+    h = gate_up(xl, layout.tile_expert, layout.slot_token, experts.w1_packed, experts.w1_scale,
+                experts.w3_packed, experts.w3_scale, beta, linear_beta, cfg.bm, cfg.gate_up, interpret, decode)
+    y = down(h, layout.tile_expert, layout.slot_weight, experts.w2_packed, experts.w2_scale, cfg.bm, cfg.down,
+             interpret, decode)
+    return dsp.combine(y, layout, n, k)
+
+
+def flops(pairs: int, latent: int, width: int) -> dict[str, float]:
+    """Dequantised bf16 math of the two kernels (2 per multiply-add)."""
+    return {"gate_up": 4.0 * pairs * latent * width, "down": 2.0 * pairs * latent * width}
+
+
+def active_bytes(idx, latent: int, width: int) -> dict[str, float]:
+    """MXFP4 bytes (nibbles + scales) of the experts `idx` chooses: what weight streaming must read."""
+    active = len(np.unique(np.asarray(idx)))
+    per = width * latent // 2 + width * latent // 32
+    return {"gate_up": 2.0 * active * per, "down": 1.0 * active * per, "experts": active}

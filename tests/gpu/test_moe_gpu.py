@@ -1,0 +1,55 @@
+"""The MXFP4 MoE kernels compiled for the GPU (not interpreted): the CPU suite's cases (tests/test_moe_kernels.py)
+and the whole latent MoE through the switch. The benchmark shapes (K3 widths, 896 experts) are checked by
+benchmarks/moe.py in the same run as the timings."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_moe_kernels as cpu
+
+from kimik3_jax.ops.moe import latent_moe
+from kimik3_jax.params import init_params
+from kimik3_jax.presets import preset
+from pallas_kernels.moe import routed as kern
+
+
+@pytest.mark.parametrize("config", [cpu.DECODE, cpu.PREFILL, None], ids=["decode", "prefill", "default"])
+@pytest.mark.parametrize("n,k,kind", [(1, 4, "random"), (40, 4, "skewed"), (33, 1, "one_expert"),
+                                      (150, 4, "random"), (600, 4, "random")])
+def test_compiled_kernel_equals_pure_op(config, n, k, kind):
+    rng = np.random.default_rng([n, k, len(kind)])
+    experts = cpu._experts(rng)
+    idx, w = cpu._routing(rng, n, k, kind)
+    xl = jnp.asarray(rng.standard_normal((n, cpu.L)), jnp.bfloat16)
+    cpu._check(xl, idx, w, experts, config, interpret=False)
+
+
+def test_compiled_scale_bytes_and_skipped_pairs():
+    rng = np.random.default_rng(7)
+    ex = cpu._experts(rng, 1, 254)
+    fix = {}
+    for name in ("w1", "w3"):
+        p, s = np.asarray(getattr(ex, name + "_packed")), np.asarray(getattr(ex, name + "_scale"))
+        fix[name + "_packed"] = jnp.asarray(np.where(np.repeat(s >= 240, 16, axis=-1), p & 0x99, p), jnp.uint8)
+    fix["w2_scale"] = jnp.asarray(rng.integers(1, 231, ex.w2_scale.shape), jnp.uint8)
+    ex = ex.replace(**fix)
+    idx, w = cpu._routing(rng, 20, 4, "random")
+    xl = jnp.asarray(rng.standard_normal((20, cpu.L)) * 2.0 ** -12, jnp.bfloat16)
+    cpu._check(xl, idx, w, ex, cpu.DECODE, interpret=False)
+    drop = rng.uniform(size=idx.shape) < 0.4
+    a = kern.routed_experts(xl, jnp.where(drop, cpu.E, idx), jnp.where(drop, 0.0, w), ex, 4.0, 25.0)
+    b = kern.routed_experts(xl, jnp.where(drop, 0, idx), jnp.where(drop, 0.0, w), ex, 4.0, 25.0)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_compiled_latent_moe_through_the_switch():
+    cfg = preset("tiny")
+    layer = jax.tree_util.tree_map(lambda a: a[0], init_params(cfg, 3, text_only=True).text.moe)
+    layer = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, layer)
+    layer = layer.replace(router_bias=layer.router_bias.astype(jnp.float32))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 9, cfg.hidden_size)), jnp.bfloat16)
+    ref = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl="xla")), np.float32)
+    for impl in ("pallas", "auto"):
+        got = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl=impl)), np.float32)
+        assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), impl

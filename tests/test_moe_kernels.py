@@ -1,0 +1,181 @@
+"""The MXFP4 grouped-GEMM kernels (pallas_kernels/moe) in Pallas interpret mode on the CPU, against the pure
+op they replace (`kimik3_jax.ops.moe.routed_experts`: dequantise + einsum in fp32) and against
+`mxfp4.dequantize` bit for bit. Shapes are small; both tile regimes (decode bm 16, prefill bm 128) run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from kimik3_jax import mxfp4
+from kimik3_jax.ops import impl
+from kimik3_jax.ops.moe import latent_moe, routed_experts
+from kimik3_jax.params import ExpertParams, init_params
+from kimik3_jax.presets import preset
+from pallas_kernels.moe import decode as dec
+from pallas_kernels.moe import dispatch as dsp
+from pallas_kernels.moe import routed as kern
+from pallas_kernels.moe.kernels import TileConfig, Tiles
+
+E, F, L = 16, 128, 64  # experts, expert width, latent width
+BETA, LINEAR_BETA = 4.0, 25.0
+# bf16 activations: kernel and pure op round the same fp32 SiTU output to bf16, but their fp32 sums run in
+# different orders, so an element of h can land one bf16 step (2^-8) apart; averaged over the down
+# projection that stays far below 2^-8 of the row's scale.
+RTOL = 2e-3
+DECODE = TileConfig(16, Tiles(32, 32), Tiles(32, 64))
+PREFILL = TileConfig(128, Tiles(64, 64), Tiles(32, 128))
+
+
+def _decode_in_kernel(packed, scale):
+    def kernel(p_ref, s_ref, o_ref):
+        o_ref[...] = dec.decode(p_ref[...], s_ref[...])
+    rows, half = packed.shape
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, 2 * half), jnp.bfloat16),
+                          interpret=True)(packed, scale)
+
+
+def test_decode_is_bit_exact_for_every_byte_and_scale_1_to_254():
+    packed = np.tile(np.arange(256, dtype=np.uint8), (254, 1))  # every byte, i.e. every nibble pair
+    scale = np.repeat(np.arange(1, 255, dtype=np.uint8)[:, None], 512 // 32, axis=1)  # row r: byte r + 1
+    got = _decode_in_kernel(jnp.asarray(packed), jnp.asarray(scale))
+    want = mxfp4.dequantize(packed, scale, jnp.bfloat16)
+    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
+    np.testing.assert_array_equal(bits(got), bits(want))  # incl. -0.0, the subnormal 2^-127 and inf
+    assert np.isinf(np.asarray(want, np.float32)).any()  # bytes 253/254 do overflow
+
+
+def test_decode_of_scale_byte_0_zero_groups():
+    packed = np.array([[0x00, 0x88, 0x80, 0x08] * 8], np.uint8)  # +-0 only, as an all-zero group stores
+    got = _decode_in_kernel(jnp.asarray(packed), jnp.zeros((1, 2), jnp.uint8))
+    want = mxfp4.dequantize(packed, np.zeros((1, 2), np.uint8), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16)),
+                                  np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint16)))
+
+
+def _experts(rng, lo=122, hi=128, num=E):
+    """Random packed nibbles, scale bytes uniform in [lo, hi] (w1/w3 [num, F, L], w2 [num, L, F])."""
+    out = {}
+    for name, (rows, cols) in (("w1", (F, L)), ("w3", (F, L)), ("w2", (L, F))):
+        out[name + "_packed"] = jnp.asarray(rng.integers(0, 256, (num, rows, cols // 2)), jnp.uint8)
+        out[name + "_scale"] = jnp.asarray(rng.integers(lo, hi + 1, (num, rows, cols // 32)), jnp.uint8)
+    return ExpertParams(**out)
+
+
+def _routing(rng, n, k, kind):
+    if kind == "random":  # uneven groups, usually some experts empty
+        idx = np.stack([rng.permutation(E)[:k] for _ in range(n)])
+    elif kind == "one_expert":  # every token on the same k experts: the others are empty
+        idx = np.tile(np.arange(3, 3 + k), (n, 1))
+    elif kind == "skewed":  # half the tokens on experts 0..k-1, the rest random
+        idx = np.stack([np.arange(k) if t % 2 else rng.permutation(E)[:k] for t in range(n)])
+    return jnp.asarray(idx, jnp.int32), jnp.asarray(rng.uniform(0.05, 1.0, (n, k)), jnp.float32)
+
+
+def _check(xl, idx, w, experts, config, interpret=True):
+    got = kern.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, config=config, interpret=interpret)
+    want = routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, "gathered")
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(want).all()
+    scale = np.abs(want).max(axis=-1, keepdims=True)
+    err = float(np.max(np.abs(got - want) / np.where(scale > 0, scale, 1)))
+    assert err <= RTOL, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("n,k,kind", [(1, 4, "random"), (40, 4, "skewed"), (33, 1, "one_expert"),
+                                      (24, 4, "one_expert"), (150, 4, "random")])
+def test_kernel_equals_pure_op(config, n, k, kind):
+    rng = np.random.default_rng([n, k, len(kind)])
+    experts = _experts(rng)
+    idx, w = _routing(rng, n, k, kind)
+    xl = jnp.asarray(rng.standard_normal((n, L)), jnp.bfloat16)
+    _check(xl, idx, w, experts, config)
+
+
+def test_scale_bytes_across_1_to_254():
+    """w1/w3 scale bytes over all of 1..254 (groups with bytes >= 240 keep magnitudes <= 0.5 so that the
+    weights stay finite) and tiny activations so fp32 sums cannot overflow; SiTU saturates the huge gate
+    and up values, and w2 spans bytes 1..230."""
+    rng = np.random.default_rng(7)
+    ex = _experts(rng, 1, 254)
+    fix = {}
+    for name in ("w1", "w3"):
+        p, s = np.asarray(getattr(ex, name + "_packed")), np.asarray(getattr(ex, name + "_scale"))
+        big = np.repeat(s >= 240, 16, axis=-1)  # per packed byte
+        fix[name + "_packed"] = jnp.asarray(np.where(big, p & 0x99, p), jnp.uint8)  # em in {0, 1}
+    fix["w2_scale"] = jnp.asarray(rng.integers(1, 231, ex.w2_scale.shape), jnp.uint8)
+    ex = ex.replace(**fix)
+    idx, w = _routing(rng, 20, 4, "random")
+    xl = jnp.asarray(rng.standard_normal((20, L)) * 2.0 ** -12, jnp.bfloat16)
+    _check(xl, idx, w, ex, DECODE)
+
+
+def test_out_of_range_expert_ids_are_skipped():
+    """Expert parallelism passes pairs owned elsewhere as id E with weight 0: they contribute nothing."""
+    rng = np.random.default_rng(11)
+    experts = _experts(rng)
+    idx, w = _routing(rng, 12, 4, "random")
+    drop = rng.uniform(size=idx.shape) < 0.4
+    idx2, w2 = jnp.where(drop, E, idx), jnp.where(drop, 0.0, w)
+    xl = jnp.asarray(rng.standard_normal((12, L)), jnp.bfloat16)
+    got = kern.routed_experts(xl, idx2, w2, experts, BETA, LINEAR_BETA, config=DECODE, interpret=True)
+    want = kern.routed_experts(xl, jnp.where(drop, 0, idx), w2, experts, BETA, LINEAR_BETA, config=DECODE,
+                               interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("n,k,kind,bm", [(1, 4, "random", 16), (40, 4, "skewed", 16), (37, 4, "one_expert", 8),
+                                         (64, 4, "random", 128)])
+def test_block_layout(n, k, kind, bm):
+    rng = np.random.default_rng(n)
+    idx, w = _routing(rng, n, k, kind)
+    lay = dsp.block_layout(idx, w, E, bm)
+    te, tok, sw, slot = (np.asarray(a) for a in lay[:4])
+    assert len(te) == dsp.num_tiles(n * k, E, bm) and len(tok) == len(te) * bm
+    flat = np.asarray(idx).reshape(-1)
+    assert len(set(slot.tolist())) == n * k  # one slot per pair
+    np.testing.assert_array_equal(te[slot // bm], flat)  # each pair sits in a tile of its expert
+    np.testing.assert_array_equal(tok[slot], np.arange(n * k) // k)
+    np.testing.assert_array_equal(sw[slot], np.asarray(w).reshape(-1))
+    free = np.setdiff1d(np.arange(len(tok)), slot)
+    assert (sw[free] == 0).all() and (tok[free] == 0).all()
+    used = te < E
+    assert used.sum() == sum(-(-np.sum(flat == e) // bm) for e in range(E))
+    assert (np.diff(te) >= 0).all() and not used[used.sum():].any()  # sorted by expert, unused tiles last
+
+
+def test_num_tiles_bound_is_tight_for_a_token_per_expert():
+    # 16 pairs on 16 distinct experts need 16 tiles of 16 rows: the bound gives exactly that
+    assert dsp.num_tiles(16, 896, 16) == 16
+    assert dsp.num_tiles(16 * 16384, 896, 128) == (16 * 16384 + 896 * 127) // 128
+
+
+def test_latent_moe_through_the_switch():
+    """cfg.runtime.impl="pallas" runs the kernel (interpret mode here) in the whole latent MoE layer."""
+    cfg = preset("tiny")
+    layer = jax.tree_util.tree_map(lambda a: a[0], init_params(cfg, 3, text_only=True).text.moe)
+    layer = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, layer)
+    layer = layer.replace(router_bias=layer.router_bias.astype(jnp.float32))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 9, cfg.hidden_size)), jnp.bfloat16)
+    ref = latent_moe(x, layer, cfg.with_runtime(impl="xla"))
+    got = latent_moe(x, layer, cfg.with_runtime(impl="pallas"))
+    assert got.dtype == ref.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(ref, np.float32)).max()
+    assert err <= 1e-2 * np.abs(np.asarray(ref, np.float32)).max()
+
+
+def test_unsupported_calls_are_refused():
+    rng = np.random.default_rng(1)
+    experts = _experts(rng)
+    idx, w = _routing(rng, 2, 4, "random")
+    xl = jnp.zeros((2, L), jnp.float32)
+    with pytest.raises(impl.Unsupported, match="bfloat16"):
+        kern.supports(xl, idx, w, experts, BETA, LINEAR_BETA)
+    dense = type("Dense", (), {"w1": 0, "w3": 0, "w2": 0})()
+    with pytest.raises(impl.Unsupported, match="packed MXFP4"):
+        kern.supports(xl.astype(jnp.bfloat16), idx, w, dense, BETA, LINEAR_BETA)
+    with pytest.raises(impl.Unsupported):
+        impl.dispatch("routed_experts", "pallas", routed_experts, xl, idx, w, experts, BETA, LINEAR_BETA)
