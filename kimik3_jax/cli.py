@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kimik3_jax.errors import K3Error
+from kimik3_jax.sharding.distributed import add_sharding_arguments
 
 DEFAULT_CACHE = Path.home() / ".cache" / "kimik3"
 
@@ -76,7 +77,11 @@ def cmd_logits(args: argparse.Namespace) -> int:
         tokens, origin = parse_tokens(args.tokens, "--tokens"), "--tokens"
     else:
         tokens, origin = read_tokens_file(args.tokens_file), args.tokens_file
-    logits = sequence_logits(args.checkpoint, tokens, args.dtype, origin)
+    from kimik3_jax.sharding.distributed import is_writer, plan_from_args
+
+    logits = sequence_logits(args.checkpoint, tokens, args.dtype, origin, plan_from_args(args))
+    if not is_writer():
+        return 0
     save_npy(args.out, logits)
     print(f"wrote {args.out}: logits {list(logits.shape)} {logits.dtype} ({args.dtype} model); "
           f"argmax of the last position {int(logits[-1].argmax())}")
@@ -124,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .npy file")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"],
                    help="bfloat16: the production precision policy; float32/float64: every op in that dtype")
+    add_sharding_arguments(p)
     p.set_defaults(func=cmd_logits)
 
     from kimik3_jax.generate.cli import add_generate_parser  # stdlib-only at import: the parser stays fast
@@ -144,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "mesh"):  # the sharded commands: start jax.distributed first when asked
+            from kimik3_jax.sharding.distributed import initialize
+
+            initialize(args)
         return args.func(args)
     except K3Error as e:
         print(f"kimik3 {args.command}: error: {e}", file=sys.stderr)

@@ -48,7 +48,8 @@ def main(dtype: str, skew: bool, presets: list[str]) -> dict:
     for name in presets:
         plan = ShardingPlan.preset(name)
         sharded = jax.device_put(params, plan.params(spec))
-        got, state = run(sharded, cfg.with_runtime(sharding=plan), plan.init_state(cfg, b, 24, dt), tokens, lengths, 3)
+        sharded_cfg = cfg.with_runtime(sharding=plan)
+        got, state = run(sharded, sharded_cfg, init_state(sharded_cfg, b, 24, dt), tokens, lengths, 3)
         err = max(float(np.max(np.abs(g - r)) / np.max(np.abs(r))) for g, r in zip(got, ref))
         state_err = max(float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(r, np.float64))))
                         for g, r in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ref_state)))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import struct
 
+from kimik3_jax.config import Runtime
 from kimik3_jax.generate import GenerationArgumentError, SamplingParams, generate, sample
 
 CHAIN_END = 49
@@ -28,6 +29,7 @@ class FakeConfig:
     vocab_size: int = 64
     eos_token_id: int = 63
     max_position_embeddings: int = 256
+    runtime: Runtime = Runtime()  # one device
 
 
 @struct.dataclass

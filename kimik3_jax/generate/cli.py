@@ -53,6 +53,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="prompts per static batch (default 32)")
     p.add_argument("--steps-per-call", type=int, default=8, help="decode steps fused per device call")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from kimik3_jax.sharding.distributed import add_sharding_arguments
+    add_sharding_arguments(p)
     p.set_defaults(func=run_generate)
 
 
@@ -105,9 +107,14 @@ def run_generate(args: argparse.Namespace) -> int:
         import jax
 
         from kimik3_jax.checkpoint.open import load_checkpoint
+        from kimik3_jax.sharding.distributed import plan_from_args
+        plan = plan_from_args(args)
         with jax.enable_x64(args.dtype == "float64"):  # scoped: float64 arrays only inside this command
-            cfg, params = load_checkpoint(directory, text_only=True, dtype=args.dtype)
-            _run_batches(todo, params, cfg, tok, args, totals)
+            cfg, params = load_checkpoint(directory, text_only=True, dtype=args.dtype, shardings=plan)
+            _run_batches(todo, params, cfg.with_runtime(sharding=plan), tok, args, totals)
+    from kimik3_jax.sharding.distributed import is_writer
+    if not is_writer():  # multi-host: every process generated the same tokens; process 0 reports them
+        return 2 if any(item.error is not None for item in items) else 0
     _write([item.record if item.error is None else {**item.record, "error": item.error} for item in items],
            args.out)
 
@@ -193,12 +200,16 @@ def _run_batches(todo: list[tuple[int, Item]], params, cfg, tok, args, totals: l
     from kimik3_jax.tokenizer.chat import split_reply
 
     init_state, prefill, decode_step = model_functions()
+    plan = cfg.runtime.sharding
+    rows = 1 if plan is None else plan.ways("batch")  # a batch splits over the data axis in equal parts
     for start in range(0, len(todo), args.batch_size):
         batch = todo[start:start + args.batch_size]
-        out = generate(params, cfg, [item.ids for _, item in batch], [item.sampling for _, item in batch],
-                       [item.max_new for _, item in batch], tok.eos_id, args.seed, prefill, decode_step,
-                       init_state, progress=not args.quiet, steps_per_call=args.steps_per_call,
-                       pad_id=tok.pad_id, row_ids=[k for k, _ in batch])
+        fill = -len(batch) % rows  # stand-in rows (a copy of the first prompt, one token) fill the last part
+        ids = [item.ids for _, item in batch] + [batch[0][1].ids] * fill
+        out = generate(params, cfg, ids, [item.sampling for _, item in batch] + [batch[0][1].sampling] * fill,
+                       [item.max_new for _, item in batch] + [1] * fill, tok.eos_id, args.seed, prefill,
+                       decode_step, init_state, progress=not args.quiet, steps_per_call=args.steps_per_call,
+                       pad_id=tok.pad_id, row_ids=[k for k, _ in batch] + [len(todo) + i for i in range(fill)])
         t = out.timing
         for i, v in enumerate((t.compile_s, t.prefill_s, t.decode_s, t.decode_tokens)):
             totals[i] += v

@@ -31,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kimik3_jax.generate.sampling import GenerationArgumentError, SamplingParams, sample, stack_params
+from kimik3_jax.sharding.plan import constrain
 
 PAD_MULTIPLE = 16
 
@@ -180,6 +181,12 @@ class _Program:
         return self._built[sig]
 
 
+def _whole(cfg, *xs):
+    """The small per-row results the host reads, replicated under a sharding plan (every process of a
+    multi-host run can read them)."""
+    return tuple(constrain(x, cfg, (None,) * x.ndim, "generation output") for x in xs)
+
+
 @functools.lru_cache(maxsize=8)
 def _programs(prefill_fn: Callable, decode_fn: Callable, cfg, steps: int, pad_id: int, eos: tuple[int, ...]):
     eos_E = np.asarray(eos, np.int32)
@@ -195,7 +202,7 @@ def _programs(prefill_fn: Callable, decode_fn: Callable, cfg, steps: int, pad_id
         keys = jax.vmap(jax.random.fold_in)(row_keys, jnp.zeros_like(lengths_B))
         tok_B = sample(last_BV, keys, temperature_B, top_p_B, top_k_B)
         count_B = jnp.ones_like(lengths_B)
-        return state, tok_B, count_B, stopped(tok_B, count_B, budget_B)
+        return state, *_whole(cfg, tok_B, count_B, stopped(tok_B, count_B, budget_B))
 
     def chunk(params, state, tok_B, count_B, done_B, row_keys, temperature_B, top_p_B, top_k_B, budget_B):
         B = tok_B.shape[0]
@@ -214,6 +221,6 @@ def _programs(prefill_fn: Callable, decode_fn: Callable, cfg, steps: int, pad_id
                 jnp.full((steps, B), pad_id, jnp.int32), jnp.zeros((steps, B), bool))
         i, state, tok_B, count_B, done_B, new_SB, live_SB = jax.lax.while_loop(
             lambda c: (c[0] < steps) & ~jnp.all(c[4]), body, init)
-        return state, tok_B, count_B, done_B, new_SB, live_SB, i
+        return state, *_whole(cfg, tok_B, count_B, done_B, new_SB, live_SB, i)
 
     return _Program(first, donate=(3,)), _Program(chunk, donate=(1,))

@@ -53,17 +53,19 @@ def check_tokens(tokens: list[int], vocab_size: int, max_len: int, origin: str) 
         raise K3Error(f"{origin}: {len(tokens)} tokens exceed max_position_embeddings = {max_len}")
 
 
-def sequence_logits(directory: str | Path, tokens: list[int], dtype: str = "bfloat16", origin: str = "--tokens"):
-    """Logits [T, vocab] of one sequence (float32, or float64 with dtype float64)."""
+def sequence_logits(directory: str | Path, tokens: list[int], dtype: str = "bfloat16", origin: str = "--tokens",
+                    plan=None):
+    """Logits [T, vocab] of one sequence (float32, or float64 with dtype float64), on one device or
+    sharded by `plan` (a `kimik3_jax.sharding.ShardingPlan`; every process gets the whole result)."""
     if dtype not in DTYPES:
         raise K3Error(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     import jax
 
     with jax.enable_x64(dtype == "float64"):  # scoped: float64 arrays only inside this call
-        return _logits(directory, tokens, dtype, origin)
+        return _logits(directory, tokens, dtype, origin, plan)
 
 
-def _logits(directory, tokens, dtype, origin):
+def _logits(directory, tokens, dtype, origin, plan):
     import jax
     import jax.numpy as jnp
 
@@ -73,11 +75,18 @@ def _logits(directory, tokens, dtype, origin):
 
     cfg = ModelConfig.from_file(directory)  # both layouts carry config.json: check before loading weights
     check_tokens(tokens, cfg.vocab_size, cfg.max_position_embeddings, origin)
-    cfg, params = load_checkpoint(directory, text_only=True, dtype=jnp.dtype(dtype))
-    state = init_state(cfg, 1, len(tokens), jnp.dtype(dtype))
-    run = jax.jit(prefill, static_argnums=1)
-    logits, _ = run(params, cfg, jnp.asarray([tokens], jnp.int32), jnp.asarray([len(tokens)], jnp.int32), state)
-    return np.asarray(logits[0])
+    cfg, params = load_checkpoint(directory, text_only=True, dtype=jnp.dtype(dtype), shardings=plan)
+    cfg = cfg.with_runtime(sharding=plan)
+    rows = 1 if plan is None else plan.ways("batch")  # the one sequence repeated over the data axis
+    state = init_state(cfg, rows, len(tokens), jnp.dtype(dtype))
+
+    def first_row(params, tokens, lengths, state):
+        return prefill(params, cfg, tokens, lengths, state)[0][0]
+
+    out = None if plan is None else plan.replicated()  # a whole copy on every device: any process reads it
+    run = jax.jit(first_row, out_shardings=out)
+    return np.asarray(run(params, jnp.asarray([tokens] * rows, jnp.int32), jnp.full((rows,), len(tokens), jnp.int32),
+                          state))
 
 
 def save_npy(path: str | Path, array: np.ndarray) -> None:

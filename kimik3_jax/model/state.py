@@ -69,10 +69,14 @@ def state_shapes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16)
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> DecodeState:
-    """An empty state for `batch` sequences of up to `max_len` tokens (prompt plus generated)."""
+    """An empty state for `batch` sequences of up to `max_len` tokens (prompt plus generated), created
+    directly in its shards when `cfg.runtime.sharding` holds a plan."""
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len = {max_len} exceeds max_position_embeddings = {cfg.max_position_embeddings}")
-    return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), state_shapes(cfg, batch, max_len, dtype))
+    shapes = state_shapes(cfg, batch, max_len, dtype)
+    zeros = lambda: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
+    plan = cfg.runtime.sharding
+    return zeros() if plan is None else jax.jit(zeros, out_shardings=plan.state(shapes))()
 
 
 def state_bytes(cfg: ModelConfig, max_len: int = 0, dtype=jnp.bfloat16) -> dict[str, int]:

@@ -44,12 +44,14 @@ def named_leaves(spec: Any) -> list[tuple[str, Leaf]]:
 
 
 def leaf_shardings(spec: Params, shardings: Any = None) -> Any:
-    """A tree of `jax.sharding.Sharding` matching `spec`: `shardings` as given when it is such a tree,
-    or one sharding (default: the first device) for every leaf. A tree of another structure raises
-    ValueError."""
+    """A tree of `jax.sharding.Sharding` matching `spec`, from: None (the first device), one sharding for
+    every leaf, a `kimik3_jax.sharding.ShardingPlan` (its rules), or such a tree as given. A tree of
+    another structure raises ValueError."""
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
         one = shardings or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return map_leaves(lambda _: one, spec)
+    if hasattr(shardings, "param_specs"):  # a ShardingPlan
+        return shardings.params(spec)
     try:
         return jax.tree_util.tree_map(lambda _, s: s, spec, shardings, is_leaf=_is_leaf)
     except (ValueError, TypeError) as e:

@@ -1,10 +1,20 @@
 """Sharding: named mesh axes (data, expert, tensor), one rules table from logical axes to mesh axes,
 and everything derived from it (parameter, decode-state and activation shardings, expert parallelism,
-multi-host start-up, memory planning). See docs/multihost.md."""
+multi-host start-up, memory planning). See docs/multihost.md.
 
-from kimik3_jax.sharding.mesh import PRESETS, make_mesh, parse_mesh, preset_sizes
-from kimik3_jax.sharding.plan import ShardingPlan, constrain
-from kimik3_jax.sharding.rules import MESH_AXES, RULES, ShardingError, partition_spec
+Names load lazily, so the command line can import `sharding.distributed` without importing JAX."""
 
-__all__ = ["MESH_AXES", "RULES", "PRESETS", "ShardingError", "ShardingPlan", "constrain", "make_mesh",
-           "parse_mesh", "partition_spec", "preset_sizes"]
+import importlib
+
+_EXPORTS = {
+    "MESH_AXES": "rules", "RULES": "rules", "ShardingError": "rules", "partition_spec": "rules",
+    "PRESETS": "mesh", "make_mesh": "mesh", "parse_mesh": "mesh", "preset_sizes": "mesh",
+    "ShardingPlan": "plan", "constrain": "plan",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,9 +2,8 @@
 
     plan = ShardingPlan.create({"expert": 4, "tensor": 2})     # or ShardingPlan.preset("ep_tp")
     params = load_checkpoint(path, shardings=plan.params(spec))
-    state = plan.init_state(cfg, batch, max_len)
-    cfg = cfg.with_runtime(sharding=plan)                     # the model constrains its activations
-                                                              # and runs the experts expert-parallel
+    cfg = cfg.with_runtime(sharding=plan)     # the model constrains its activations, runs the experts
+    state = init_state(cfg, batch, max_len)   # expert-parallel, and makes its state in shards
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimik3_jax.params import map_leaves, named_leaves
@@ -95,13 +93,6 @@ class ShardingPlan:
     def state(self, shapes) -> Any:
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.state_specs(shapes),
                                       is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-    def init_state(self, cfg, batch: int, max_len: int, dtype=jnp.bfloat16):
-        """An empty decode state created directly in its shards."""
-        from kimik3_jax.model.state import init_state, state_shapes
-
-        shardings = self.state(state_shapes(cfg, batch, max_len, dtype))
-        return jax.jit(init_state, static_argnums=(0, 1, 2, 3), out_shardings=shardings)(cfg, batch, max_len, dtype)
 
     def constrain(self, x: jax.Array, axes: tuple[str | None, ...], what: str = "activation") -> jax.Array:
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape, what))

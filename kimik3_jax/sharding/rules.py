@@ -15,6 +15,8 @@ from typing import Mapping
 
 from jax.sharding import PartitionSpec
 
+from kimik3_jax.errors import K3Error
+
 MESH_AXES = ("data", "expert", "tensor")
 
 # logical axis -> mesh axes that split it (in this order); () replicates.
@@ -43,7 +45,7 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-class ShardingError(ValueError):
+class ShardingError(K3Error, ValueError):
     """A rules table, mesh or array that cannot be sharded as asked; the message names the array."""
 
 
