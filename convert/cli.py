@@ -24,6 +24,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "(on an existing complete --dst: verify it only)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--part-bytes", type=int, default=None, help=argparse.SUPPRESS)  # tests: many small parts
+    from kimik3_jax.sharding.distributed import add_sharding_arguments
+    add_sharding_arguments(p)  # --mesh: after converting, restore --dst sharded over that mesh as a check
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,11 +44,18 @@ def run_convert(args: argparse.Namespace) -> int:
         print("\n".join(lines))
         return 1 if problems else 0
     from convert.run import convert_checkpoint
+    from kimik3_jax.sharding.distributed import is_writer, plan_from_args
 
-    convert_checkpoint(args.src, args.dst, text_only=args.text_only, dequantize=args.dequantize,
-                       allow_extra=args.allow_extra, resume=args.resume, overwrite=args.overwrite,
-                       verify=args.verify, progress=not args.quiet,
-                       **({"part_bytes": args.part_bytes} if args.part_bytes else {}))
+    plan = plan_from_args(args)  # before converting: a bad --mesh fails before hours of work
+    if is_writer():  # multi-host: process 0 converts (to a shared file system), the others restore
+        convert_checkpoint(args.src, args.dst, text_only=args.text_only, dequantize=args.dequantize,
+                           allow_extra=args.allow_extra, resume=args.resume, overwrite=args.overwrite,
+                           verify=args.verify, progress=not args.quiet,
+                           **({"part_bytes": args.part_bytes} if args.part_bytes else {}))
+    if plan is not None:
+        from convert.restore import check_sharded_restore
+
+        print(check_sharded_restore(args.dst, plan, text_only=args.text_only))
     return 0
 
 
@@ -68,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     (add_export_arguments if export else add_convert_arguments)(parser)
     args = parser.parse_args(argv[1:] if export else argv)
     try:
+        if not export:
+            from kimik3_jax.sharding.distributed import initialize
+
+            initialize(args)
         return run_export(args) if export else run_convert(args)
     except K3Error as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -95,3 +95,22 @@ def _placer(sharding: Sharding):
         start = (layer,) + (0,) * piece.ndim
         return jax.lax.dynamic_update_slice(stack, piece[None].astype(stack.dtype), start)
     return jax.jit(place, donate_argnums=0, out_shardings=sharding)
+
+
+def check_sharded_restore(directory: str | Path, plan, *, text_only: bool = True) -> str:
+    """Restore a converted directory sharded by `plan` (a ShardingPlan) and check every array landed in
+    the sharding the plan gives it; returns a one-line summary, raises CheckpointError otherwise."""
+    cfg, params = load_orbax(directory, text_only=text_only, shardings=plan)
+    _, manifest, _ = open_converted(Path(directory))
+    spec = output_spec(cfg, text_only, manifest["experts"])
+    want = plan.params(spec)
+    per_device: dict[Any, int] = {}
+    leaves = named_leaves(spec)
+    for (path, _), array, target in zip(leaves, jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)):
+        if not array.sharding.is_equivalent_to(target, array.ndim):
+            raise CheckpointError(f"{directory}: {path} restored as {array.sharding}, expected {target}")
+        for shard in array.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    most = max(per_device.values()) if per_device else 0
+    return (f"restored {directory} over mesh {plan.describe()}: {len(leaves)} arrays in their planned shardings, "
+            f"at most {most / 2**30:.3f} GiB on one device")

@@ -88,6 +88,24 @@ def cmd_logits(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kimik3_jax.config import ModelConfig
+    from kimik3_jax.presets import preset
+    from kimik3_jax.sharding import parse_mesh
+    from kimik3_jax.sharding.memory import parse_bytes, plan_memory, report
+
+    cfg = ModelConfig.from_file(args.config) if args.config else preset(args.preset)
+    for flag, value in (("--batch", args.batch), ("--context", args.context)):
+        if value < 1:
+            raise K3Error(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.headroom < 1:
+        raise K3Error(f"--headroom must be in [0, 1), got {args.headroom}")
+    sizes = parse_mesh(args.mesh) if args.mesh else {}
+    mp = plan_memory(cfg, sizes, device_bytes=parse_bytes(args.device_memory), headroom=args.headroom)
+    print(report(cfg, mp, args.batch, args.context))
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from convert.cli import run_convert
 
@@ -131,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bfloat16: the production precision policy; float32/float64: every op in that dtype")
     add_sharding_arguments(p)
     p.set_defaults(func=cmd_logits)
+
+    p = sub.add_parser("plan", help="bytes per device of parameters and decode state under a mesh; what fits")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="a config.json (release or generated)")
+    src.add_argument("--preset", default="k3", help="k3 | tiny | slice (default k3)")
+    p.add_argument("--mesh", default=None, metavar="data=D,expert=E,tensor=T", help="default: one device")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--context", type=int, default=131072, help="tokens per sequence (default 131072)")
+    p.add_argument("--device-memory", default="141GB", help="memory of one device (default 141GB, an H200)")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of each device kept for activations and workspace (default 0.1)")
+    p.set_defaults(func=cmd_plan)
 
     from kimik3_jax.generate.cli import add_generate_parser  # stdlib-only at import: the parser stays fast
     add_generate_parser(sub)

@@ -50,6 +50,7 @@ def initialize(args: argparse.Namespace) -> None:
     pid = pid if pid is not None else _env_int("JAX_PROCESS_ID")
     if coordinator is None and num is None and pid is None:
         if any(v in os.environ for v in _CLUSTER_ENV) and os.environ.get("KIMIK3_NO_CLUSTER_DETECT") is None:
+            _cpu_collectives()
             jax.distributed.initialize()  # SLURM / Open MPI: JAX reads the job's own variables
         return
     missing = [flag for flag, v in (("--coordinator", coordinator), ("--num-processes", num),
@@ -59,7 +60,18 @@ def initialize(args: argparse.Namespace) -> None:
                       f"{', '.join(missing)}")
     if num < 1 or not 0 <= pid < num:
         raise K3Error(f"--process-id {pid} must be in [0, --num-processes {num})")
+    _cpu_collectives()
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num, process_id=pid)
+
+
+def _cpu_collectives() -> None:
+    """CPU devices of several processes talk through gloo (GPUs use NCCL whatever this says)."""
+    import jax
+
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, ValueError):  # an option this JAX does not have: its default applies
+        pass
 
 
 def plan_from_args(args: argparse.Namespace):
