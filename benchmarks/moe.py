@@ -1,0 +1,406 @@
+"""Routed-expert GEMMs at K3's widths on one GPU: the MXFP4 Pallas kernels against their peers, one table.
+
+    PYTHONPATH=$PWD python3 benchmarks/moe.py [--tokens 1,16,64,512,4096,16384] [--out DIR] [--budget-s 300]
+
+Per token count (uniform top-16 of 896 routing): our kernels (gate+up with SiTU, down with routing weights,
+and the whole `routed_experts` incl. dispatch and combine) as TB/s of the active experts' MXFP4 bytes and
+TFLOP/s of dequantised bf16 math; a diagnostic run of the same kernels with the decode replaced by a bare
+reinterpretation of the bytes (wrong values, same reads: the gap is the decode's ALU cost); peers in the
+same process: `torch._grouped_mm` on bf16 weights (gate+up fused N = 6144, and down), `lax.ragged_dot` on
+dequantised bf16 weights, and a dense batched einsum with a dropless capacity (the largest group) on
+dequantised bf16 weights; the copy bandwidth (XLA elementwise, 4 GiB fp32 read + write). Correctness at
+these shapes: the kernel against the capacity einsum (both dequantise + fp32 sums) at every token count,
+and against the pure op (`routed_experts`, "gathered") at 1 and 16 tokens. Results go to DIR/moe.json.
+Set XLA_PYTHON_CLIENT_PREALLOCATE=false (PyTorch shares the GPU); the PyTorch part runs first and frees
+its memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from functools import cache, partial
+
+# JAX's allocator stops at 75% of the GPU's memory by default, also without preallocation. The peers hold
+# the bf16 experts (59 GB) beside the MXFP4 ones (16 GB), and XLA's GEMM autotuner copies an 18.4 GiB
+# operand: at 75% that ran out of memory on the H200 (2026-11-29).
+if not (os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")):
+    os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.95"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimik3_jax.mxfp4 import dequantize
+from kimik3_jax.ops.common import situ
+from kimik3_jax.ops.moe import routed_experts
+from kimik3_jax.params import ExpertParams
+from pallas_kernels.moe import dispatch as dsp
+from pallas_kernels.moe import routed as kern
+from pallas_kernels.moe.kernels import TileConfig, Tiles, down, gate_up
+
+E, K_TOP, L, F = 896, 16, 3584, 3072
+BETA, LINEAR_BETA = 4.0, 25.0
+T0 = time.perf_counter()
+RESULTS: dict = {"rows": [], "errors": [], "sweep": [], "checks": []}
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def save(out):
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "moe.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=float)
+
+
+def timeit(fn, *args, reps=None):
+    """Median seconds per call after warm-up. Calls over 2 ms are timed one by one (host overhead is then
+    negligible, and no outputs pile up in memory); shorter ones in batches dispatched asynchronously."""
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t
+    per = []
+    if one > 2e-3:
+        for _ in range(reps or 5):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            per.append(time.perf_counter() - t)
+        return statistics.median(per)
+    reps = reps or int(min(50, max(5, 0.1 / max(one, 1e-6))))
+    for _ in range(3):
+        t = time.perf_counter()
+        out = [fn(*args) for _ in range(reps)]
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - t) / reps)
+        del out
+    return statistics.median(per)
+
+
+def copy_bandwidth(size=2 ** 30):
+    x = jnp.ones((size,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    s = timeit(f, x, reps=5)  # at most 5 queued 4 GiB outputs should a call take under 2 ms
+    del x
+    return 2 * 4 * size / s / 1e12
+
+
+@partial(jax.jit, static_argnums=(1,))
+def _random_experts(key, num):
+    ks = jax.random.split(key, 6)
+    packed = lambda k, r, c: jax.random.bits(k, (num, r, c // 2), jnp.uint8)
+    # scale bytes 119..120: weights of RMS ~ 1/sqrt(fan_in) for uniform random nibbles
+    scale = lambda k, r, c: jax.random.randint(k, (num, r, c // 32), 119, 121).astype(jnp.uint8)
+    return ExpertParams(packed(ks[0], F, L), scale(ks[1], F, L), packed(ks[2], F, L), scale(ks[3], F, L),
+                        packed(ks[4], L, F), scale(ks[5], L, F))
+
+
+def routing(n, seed):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    idx = jax.lax.top_k(jax.random.uniform(k1, (n, E)), K_TOP)[1].astype(jnp.int32)
+    w = jax.random.uniform(k2, (n, K_TOP), jnp.float32, 0.02, 0.1)
+    xl = jax.random.normal(k3, (n, L), jnp.float32).astype(jnp.bfloat16)
+    return xl, idx, w
+
+
+def dense_bf16(ex):
+    """Dequantised bf16 copies of all experts (w1, w3 [E, F, L], w2 [E, L, F]), 64 experts at a time."""
+    out = []
+    upd = jax.jit(lambda buf, p, s, i: jax.lax.dynamic_update_slice(buf, dequantize(p, s), (i, 0, 0)),
+                  donate_argnums=0)
+    for p, s in ((ex.w1_packed, ex.w1_scale), (ex.w3_packed, ex.w3_scale), (ex.w2_packed, ex.w2_scale)):
+        buf = jnp.zeros(p.shape[:-1] + (2 * p.shape[-1],), jnp.bfloat16)
+        for i in range(0, E, 64):
+            buf = upd(buf, p[i:i + 64], s[i:i + 64], i)
+        out.append(buf)
+    return out
+
+
+def make_capacity_einsum(cap):
+    @jax.jit
+    def f(xl, idx, w, w1, w3, w2):
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.bincount(flat, length=E)
+        start = jnp.cumsum(sizes) - sizes
+        rank = jnp.argsort(order) - start[flat]  # position of each pair inside its expert's group
+        slot = flat * cap + rank
+        tok = jnp.zeros((E * cap,), jnp.int32).at[slot].set(jnp.arange(n * k) // k)
+        xs = xl[tok].reshape(E, cap, L)
+        mm = lambda a, b: jnp.einsum("ecl,efl->ecf", a, b, preferred_element_type=jnp.float32)
+        h = situ(mm(xs, w1), mm(xs, w3), BETA, LINEAR_BETA).astype(jnp.bfloat16)
+        y = mm(h, w2).reshape(E * cap, L)[slot]  # [n*k, L]
+        return jnp.einsum("nk,nkl->nl", w, y.reshape(n, k, L))
+    return f
+
+
+def ragged(xl, idx, w, w1, w3, w2):
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=w1.shape[0]).astype(jnp.int32)
+    xs = xl[order // k]
+    rd = lambda a, b: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), sizes,
+                                         preferred_element_type=jnp.float32)
+    h = situ(rd(xs, w1), rd(xs, w3), BETA, LINEAR_BETA).astype(jnp.bfloat16)
+    y = rd(h, w2)[jnp.argsort(order)]
+    return jnp.einsum("nk,nkl->nl", w, y.reshape(n, k, L))
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = np.abs(want).max(axis=-1, keepdims=True)
+    finite = bool(np.isfinite(got).all())
+    return float(np.max(np.abs(got - want) / np.where(scale > 0, scale, 1))), finite
+
+
+def torch_peer(tokens):
+    """torch._grouped_mm on bf16 weights, experts sorted outside the timing: gate+up fused and down."""
+    import torch
+    from triton.testing import do_bench
+    dev = "cuda"
+    out = {}
+    try:
+        w13 = torch.randn(E, 2 * F, L, dtype=torch.bfloat16, device=dev).transpose(1, 2)  # [E, L, 2F]
+        w2 = torch.randn(E, L, F, dtype=torch.bfloat16, device=dev).transpose(1, 2)  # [E, F, L]
+        for n in tokens:
+            g = torch.Generator(device=dev).manual_seed(n)
+            idx = torch.rand(n, E, device=dev, generator=g).topk(K_TOP, dim=-1).indices.reshape(-1)
+            sizes = torch.bincount(idx, minlength=E)
+            offs = torch.cumsum(sizes, 0).to(torch.int32)
+            a = torch.randn(n * K_TOP, L, dtype=torch.bfloat16, device=dev)
+            h = torch.randn(n * K_TOP, F, dtype=torch.bfloat16, device=dev)
+            row = {}
+            try:
+                row["gate_up_ms"] = do_bench(partial(torch._grouped_mm, a, w13, offs=offs), warmup=5, rep=40)
+                row["down_ms"] = do_bench(partial(torch._grouped_mm, h, w2, offs=offs), warmup=5, rep=40)
+            except Exception as ex:  # noqa: BLE001
+                row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            out[n] = row
+            log("torch", n, row)
+        w13 = w2 = None  # free before JAX allocates
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return out
+
+
+def kernel_parts(cfg, decode="exact"):
+    """Jitted (layout, gate_up, down, whole) for timing each part. The experts are arguments, never
+    closed over: jit would embed closed-over arrays in the program as constants (gigabytes here)."""
+    lay = jax.jit(lambda i, ww: dsp.block_layout(i, ww, E, cfg.bm))
+    gu = jax.jit(lambda x, lo, ex: gate_up(x, lo.tile_expert, lo.slot_token, ex.w1_packed, ex.w1_scale,
+                                           ex.w3_packed, ex.w3_scale, BETA, LINEAR_BETA, cfg.bm, cfg.gate_up,
+                                           None, decode))
+    dn = jax.jit(lambda h, lo, ex: down(h, lo.tile_expert, lo.slot_weight, ex.w2_packed, ex.w2_scale, cfg.bm,
+                                        cfg.down, None, decode))
+    return lay, gu, dn, kernel_fn(cfg, decode)
+
+
+@cache
+def kernel_fn(cfg=None, decode="exact"):
+    """The whole kernel path, jitted: (xl, idx, w, experts) -> [N, L]. Cached, so that the checks reuse the
+    programs compiled for the timings."""
+    return jax.jit(lambda x, i, ww, ex: kern.routed_experts(x, i, ww, ex, BETA, LINEAR_BETA, config=cfg,
+                                                            interpret=None, decode=decode))
+
+
+def measure_kernels(ex, n, cfg, decode="exact"):
+    cfg = kern.fit(cfg, L, F)
+    xl, idx, w = routing(n, n)
+    lay, gu, dn, whole = kernel_parts(cfg, decode)
+    lo = lay(idx, w)
+    h = gu(xl, lo, ex)
+    return {"gate_up_s": timeit(gu, xl, lo, ex), "down_s": timeit(dn, h, lo, ex),
+            "whole_s": timeit(whole, xl, idx, w, ex)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,16,64,512,4096,16384")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--ragged-full", action="store_true",
+                    help="also try lax.ragged_dot with all 896 experts (ANCHORS: it does not compile there)")
+    ap.add_argument("--small", action="store_true", help="tiny widths: a dry run of the script on the CPU")
+    args = ap.parse_args()
+    if args.small:
+        global E, K_TOP, L, F
+        E, K_TOP, L, F = 16, 4, 128, 64
+    tokens = [int(t) for t in args.tokens.split(",")]
+    late = lambda frac=1.0: time.perf_counter() - T0 > frac * args.budget_s
+    RESULTS["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0]), "date": time.strftime("%F")}
+
+    if not args.no_torch:
+        try:
+            RESULTS["torch"] = torch_peer(tokens)
+        except Exception as ex:  # noqa: BLE001
+            RESULTS["errors"].append(f"torch peer: {type(ex).__name__}: {str(ex)[:300]}")
+            log("torch peer failed", ex)
+        save(args.out)
+
+    RESULTS["copy_tb_s"] = copy_bandwidth(2 ** 20 if args.small else 2 ** 30)
+    log("copy bandwidth TB/s", RESULTS["copy_tb_s"])
+    ex = jax.block_until_ready(_random_experts(jax.random.PRNGKey(0), E))
+    log("experts generated")
+
+    # Tile sweep: a few candidates per regime, at a representative token count each.
+    best = {"decode": kern.DECODE, "prefill": kern.PREFILL}
+    if not args.no_sweep:
+        cands = {
+            "decode": (512, [kern.DECODE, TileConfig(16, Tiles(32, 256, 4, 3), Tiles(32, 256, 4, 3))]),
+            "prefill": (4096, [kern.PREFILL, TileConfig(64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3))]),
+        }
+        for regime, (n, cs) in cands.items():
+            scores = []
+            for c in cs:
+                if late(0.45):
+                    break
+                try:
+                    r = measure_kernels(ex, n, c)
+                    scores.append((r["gate_up_s"] + r["down_s"], c))
+                    RESULTS["sweep"].append({"regime": regime, "tokens": n, "config": repr(c), **r})
+                    log("sweep", regime, n, c, r)
+                except Exception as exc:  # noqa: BLE001
+                    RESULTS["errors"].append(f"sweep {regime} {c}: {type(exc).__name__}: {str(exc)[:400]}")
+                    log("sweep failed", regime, c, str(exc)[:400])
+            if scores:
+                best[regime] = min(scores, key=lambda s: s[0])[1]
+            save(args.out)
+    RESULTS["best"] = {k: repr(v) for k, v in best.items()}
+
+    dense = None
+    row_cfg = {}  # tokens -> the fitted config timed (the checks run the same compiled program)
+    for n in tokens:
+        row = {"tokens": n}
+        RESULTS["rows"].append(row)
+        xl, idx, w = routing(n, n)
+        nb = kern.active_bytes(idx, L, F)
+        fl = kern.flops(n * K_TOP, L, F)
+        row["active_experts"], row["bytes"], row["flops"] = nb["experts"], nb, fl
+        cfg = best["decode"] if n * K_TOP <= kern.DECODE_MAX_ROWS * E else best["prefill"]
+        row["config"] = repr(cfg)
+        row_cfg[n] = kern.fit(cfg, L, F)
+        try:
+            r = measure_kernels(ex, n, cfg)
+            row.update(r)
+            row["gate_up_tb_s"] = nb["gate_up"] / r["gate_up_s"] / 1e12
+            row["down_tb_s"] = nb["down"] / r["down_s"] / 1e12
+            row["whole_tb_s"] = (nb["gate_up"] + nb["down"]) / r["whole_s"] / 1e12
+            row["gate_up_tflops"] = fl["gate_up"] / r["gate_up_s"] / 1e12
+            row["down_tflops"] = fl["down"] / r["down_s"] / 1e12
+            row["whole_tflops"] = (fl["gate_up"] + fl["down"]) / r["whole_s"] / 1e12
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+            traceback.print_exc()
+        if not late(0.6) and n in (16, 512, 16384):
+            try:
+                r = measure_kernels(ex, n, cfg, decode="reinterpret")
+                row["reinterpret"] = r
+                row["reinterpret_gate_up_tb_s"] = nb["gate_up"] / r["gate_up_s"] / 1e12
+            except Exception as exc:  # noqa: BLE001
+                row["reinterpret_error"] = str(exc)[:300]
+        log("kernel", {k: v for k, v in row.items() if k not in ("bytes", "flops")})
+        save(args.out)
+
+    # Peers on dequantised bf16 weights, and the correctness checks.
+    if not late(0.75):
+        dense = dense_bf16(ex)
+        log("dequantised bf16 experts ready")
+    ragged_failed = None
+    for row in RESULTS["rows"]:
+        n = row["tokens"]
+        if dense is None or late(0.9):
+            break
+        xl, idx, w = routing(n, n)
+        cap = int(np.bincount(np.asarray(idx).reshape(-1), minlength=E).max())
+        cap = -(-cap // 8) * 8
+        ein = make_capacity_einsum(cap)
+        got = None
+        try:
+            got = kernel_fn(row_cfg[n])(xl, idx, w, ex)
+            if n <= 16:  # needs no dense weights: runs even when the einsum does not
+                want = jax.jit(lambda a, b, c, e: routed_experts(a, b, c, e, BETA, LINEAR_BETA, "gathered"))(
+                    xl, idx, w, ex)
+                err, finite = rel_err(got, want)
+                RESULTS["checks"].append({"tokens": n, "vs": "routed_experts gathered", "max_rel_err": err,
+                                          "finite": finite})
+                log("check vs pure op", n, err, finite)
+                del want
+        except Exception as exc:  # noqa: BLE001
+            row["check_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        try:
+            row["einsum_capacity"] = cap
+            row["einsum_s"] = timeit(ein, xl, idx, w, *dense)
+            want = ein(xl, idx, w, *dense)
+            if got is not None:
+                err, finite = rel_err(got, want)
+                RESULTS["checks"].append({"tokens": n, "vs": "capacity einsum", "max_rel_err": err,
+                                          "finite": finite})
+                log("check vs einsum", n, err, finite)
+            del want
+        except Exception as exc:  # noqa: BLE001
+            row["einsum_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        del got
+        if ragged_failed is None and args.ragged_full and n in (16, 4096):
+            try:
+                row["ragged_s"] = timeit(jax.jit(ragged), xl, idx, w, *dense)
+            except Exception as exc:  # noqa: BLE001
+                ragged_failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+                row["ragged_error"] = ragged_failed
+        log("peers", n, {k: row.get(k) for k in ("einsum_s", "ragged_s", "ragged_error", "einsum_error")})
+        save(args.out)
+    if dense is not None and not late(0.8):
+        # lax.ragged_dot where it compiles: ANCHORS' shape, 64 experts x 256 tokens, against our kernel.
+        try:
+            sub = [d[:64] for d in dense]
+            sub_ex = jax.tree_util.tree_map(lambda a: a[:64], ex)
+            k1, k2 = jax.random.split(jax.random.PRNGKey(64))
+            n = 64 * 256 // K_TOP
+            idx = jnp.stack([jax.random.permutation(jax.random.fold_in(k1, t), 64)[:K_TOP] for t in range(n)])
+            w = jnp.full((n, K_TOP), 0.05, jnp.float32)
+            xl = jax.random.normal(k2, (n, L), jnp.float32).astype(jnp.bfloat16)
+            rs = timeit(jax.jit(ragged), xl, idx, w, *sub)
+            ks = timeit(kernel_fn(), xl, idx, w, sub_ex)
+            fl = sum(kern.flops(n * K_TOP, L, F).values())
+            RESULTS["ragged_64x256"] = {"ragged_s": rs, "kernel_s": ks, "ragged_tflops": fl / rs / 1e12,
+                                        "kernel_tflops": fl / ks / 1e12}
+            log("ragged 64x256", RESULTS["ragged_64x256"])
+        except Exception as exc:  # noqa: BLE001
+            RESULTS["errors"].append(f"ragged 64x256: {type(exc).__name__}: {str(exc)[:300]}")
+    save(args.out)
+    table()
+
+
+def table():
+    tq = RESULTS.get("torch", {})
+    print(f"\ncopy bandwidth {RESULTS.get('copy_tb_s', 0):.2f} TB/s; best tiles {RESULTS.get('best')}")
+    print("tokens | experts | gate_up ms (TB/s, TFLOP/s) | down ms (TB/s, TFLOP/s) | whole ms | reinterp gate_up TB/s"
+          " | torch gate_up ms / down ms | einsum ms | ragged ms")
+    for r in RESULTS["rows"]:
+        t = tq.get(r["tokens"], tq.get(str(r["tokens"]), {}))
+        f = lambda k, s=1e3, r=r: f"{r[k] * s:.3f}" if k in r else "-"
+        print(f"{r['tokens']} | {r.get('active_experts')} | {f('gate_up_s')} ({r.get('gate_up_tb_s', 0):.2f}, "
+              f"{r.get('gate_up_tflops', 0):.0f}) | {f('down_s')} ({r.get('down_tb_s', 0):.2f}, "
+              f"{r.get('down_tflops', 0):.0f}) | {f('whole_s')} | {r.get('reinterpret_gate_up_tb_s', 0):.2f} | "
+              f"{t.get('gate_up_ms', float('nan')):.3f} / {t.get('down_ms', float('nan')):.3f} | {f('einsum_s')} | "
+              f"{f('ragged_s') if 'ragged_s' in r else r.get('ragged_error', '-')[:60]}")
+    for c in RESULTS["checks"]:
+        print("check", c)
+    for e in RESULTS["errors"]:
+        print("error", e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
