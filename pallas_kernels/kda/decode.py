@@ -2,9 +2,9 @@
 
 Each program reads its slot's conv tails for the head's channels and its [K, V] fp32 state once, does
 the q/k/v causal conv + SiLU (rounded to the activation dtype, as the reference), the gate, the q/k L2
-norm, the decay + delta-rule update + read, the gated RMSNorm of the output, and writes the new tails
-and state back in place (the pools are aliased inputs/outputs). Bandwidth-bound: the state is read and
-written once. Implements `kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
+norm, the decay + delta-rule update + read, the gated RMSNorm of the output, and writes the new state
+back in place (the state pool is an aliased input/output) and each row's new conv tails (scattered into
+their slots after the kernel). Bandwidth-bound: the state is read and written once. Implements `kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ TUNING = dict(num_warps=8, num_stages=1)
 
 
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
-                   nw_ref, o_ref, conv_out, s_out, *, lower_bound, gate, qk_norm, eps):
+                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps):
     f32 = jnp.float32
     n, h = pl.program_id(0), pl.program_id(1)
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
@@ -43,8 +43,8 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
         for r in range(width):
             y = y + hist[r].astype(f32) * w_ref[j, cs, r].astype(f32)
         ys.append(jax.nn.silu(y).astype(act).astype(f32))
-        for r in range(width - 1):  # the tail moves by one token
-            plt.store(conv_out.at[slot, jnp.int32(j), jnp.int32(r), cs], hist[r + 1].astype(conv_out.dtype), mask=keep)
+        for r in range(width - 1):  # the tail moves by one token (an inactive row keeps its tail)
+            tails_out[n, j, r, cs] = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
     q, k, v = ys
     if qk_norm:
         q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
@@ -77,18 +77,14 @@ def supports(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, ep
         raise Unsupported(f"kda_decode kernel: qkv {qkv.shape} does not hold H*K = {s_pool.shape[1] * dk} channels")
     if a_log is not None and lower_bound is None:
         raise Unsupported("kda_decode kernel: a_log given without lower_bound")
-    if qkv.shape[0] > 1 and not resolve_interpret(interpret):
-        # Measured on the H200 (docs/benchmarks.md, KDA kernels): N = 1 matched the op, N = 32 and 256 did
-        # not (relative error 0.4); interpret mode matches at every N. Until that is found, refuse.
-        raise Unsupported("kda_decode kernel: batches > 1 are not yet correct when compiled for the GPU")
 
 
 @register("kda_decode", supports)
 def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, eps, lengths=None, a_log=None,
                lower_bound=None, qk_norm=True, interpret=None, tuning=None):
     """The Pallas implementation of `kimik3_jax.ops.kda.kda_decode` (same arguments and results), plus
-    `interpret` (None: interpret unless on a GPU) and `tuning` (overrides of TUNING). The pools are
-    updated in place when the caller donates them (under jit, without donation XLA copies them first)."""
+    `interpret` (None: interpret unless on a GPU) and `tuning` (overrides of TUNING). The state pool is
+    updated in place when the caller donates it (under jit, without donation XLA copies it first)."""
     supports(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, eps=eps, a_log=a_log,
              lower_bound=lower_bound)
     t = dict(TUNING, **(tuning or {}))
@@ -100,10 +96,16 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
         _decode_kernel, lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
         gate=a_log is not None, qk_norm=qk_norm, eps=float(eps))
     out_shape = (jax.ShapeDtypeStruct((nb, nh, s_pool.shape[-1]), qkv.dtype),
-                 jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+                 jax.ShapeDtypeStruct((nb,) + conv_pool.shape[1:], conv_pool.dtype),
                  jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={5: 1, 6: 2},
+    # Only the state pool is updated in place. Aliasing the conv-tail pool too gave wrong states on the
+    # H200 (N = 2, H = 96: relative error 0.2, with or without donation; aliasing the state alone was
+    # exact: docs/benchmarks.md), so the kernel writes each row's new tails (221 KB per sequence at K3's
+    # widths, 4% of its state traffic) and one scatter puts them in their slots.
+    slots = slots.astype(jnp.int32)
+    o, tails, s_pool = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={6: 2},
         interpret=resolve_interpret(interpret), name="kda_decode",
         compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
-    )(slots.astype(jnp.int32), lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)
+    )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)
+    return o, conv_pool.at[slots].set(tails), s_pool
