@@ -103,8 +103,11 @@ def _forward(params, cfg: ModelConfig, tokens, lengths, state: DecodeState, deco
 
 
 def _check_room(state: DecodeState, lengths) -> None:
-    """Host-side check when the values are known (not under a trace): the cache must hold the tokens."""
+    """Host-side check when the values are known: not under a trace, and not for a multi-host state split
+    over `data`, which no one process can read (there, writes past the capacity are dropped)."""
     try:
+        if not all(getattr(x, "is_fully_addressable", True) for x in (state.lengths, lengths)):
+            return
         used, new = np.asarray(state.lengths), np.asarray(lengths)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return
