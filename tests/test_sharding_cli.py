@@ -78,20 +78,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_give_the_same_logits_and_only_process_0_writes(tiny_ckpt, tmp_path, one_device_logits):
-    """Multi-host on one machine: 2 processes x 4 CPU devices form one 8-device mesh (gloo collectives);
-    each loads only its own shards; process 0 writes."""
+def two_processes(*argv) -> None:
+    """The same command as 2 processes x 4 CPU devices joined into one 8-device mesh (gloo collectives);
+    `{pid}` in an argument becomes the process id."""
     port = _free_port()
     procs = []
     for pid in (0, 1):
-        argv = ["logits", "--checkpoint", tiny_ckpt, "--tokens", TOKENS, "--dtype", "float32",
-                "--out", tmp_path / f"p{pid}.npy", "--mesh", "expert=4,tensor=2",
-                "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", pid]
-        procs.append(subprocess.Popen([sys.executable, "-m", "kimik3_jax.cli", *map(str, argv)], env=_env(4),
+        args = [str(a).replace("{pid}", str(pid)) for a in argv]
+        args += ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(pid)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "kimik3_jax.cli", *args], env=_env(4),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
+
+
+def test_two_processes_give_the_same_logits_and_only_process_0_writes(tiny_ckpt, tmp_path, one_device_logits):
+    """Multi-host on one machine: each process loads only its own shards; process 0 writes."""
+    two_processes("logits", "--checkpoint", tiny_ckpt, "--tokens", TOKENS, "--dtype", "float32",
+                  "--out", tmp_path / "p{pid}.npy", "--mesh", "expert=4,tensor=2")
     assert not (tmp_path / "p1.npy").exists()
     got = np.load(tmp_path / "p0.npy")
     np.testing.assert_allclose(got, one_device_logits, rtol=0, atol=1e-4 * np.abs(one_device_logits).max())
@@ -113,6 +118,18 @@ def test_generate_on_a_mesh_equals_one_device(tiny_ckpt, tmp_path):
     assert "3 of 3 prompts generated" in one.stderr and "3 of 3 prompts generated" in sharded.stderr
     rows = [[json.loads(line)["token_ids"] for line in (tmp_path / f).read_text().splitlines()]
             for f in ("one.jsonl", "mesh.jsonl")]
+    assert len(rows[0]) == 3 and rows[0] == rows[1]
+
+
+def test_two_processes_generate_with_the_batch_split_across_them(tiny_ckpt, tmp_path):
+    """data=2 over 2 processes: each holds half of the batch's state; the tokens equal one device's."""
+    common = ["generate", "--checkpoint", tiny_ckpt, "--prompt", "Hello", "--prompt", "What is", "--prompt", "x",
+              "--max-new-tokens", 5, "--temperature", 0, "--dtype", "float32", "--quiet"]
+    kimik3(*common, "--out", tmp_path / "one.jsonl")
+    two_processes(*common, "--out", tmp_path / "g{pid}.jsonl", "--mesh", "data=2,expert=2,tensor=2")
+    assert not (tmp_path / "g1.jsonl").exists()
+    rows = [[json.loads(line)["token_ids"] for line in (tmp_path / f).read_text().splitlines()]
+            for f in ("one.jsonl", "g0.jsonl")]
     assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 
