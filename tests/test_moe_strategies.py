@@ -35,6 +35,25 @@ def test_sorted_equals_gathered(experts, n, skew):
         assert float(jnp.abs(a - b).max()) <= F64_RTOL * float(jnp.abs(a).max())
 
 
+@pytest.mark.parametrize("strategy", ["sorted", "gathered"])
+def test_pairs_with_an_out_of_range_id_and_weight_0_contribute_nothing(experts, strategy):
+    """Expert parallelism passes the pairs another device owns as id E with weight 0."""
+    cfg, ex = experts
+    rng = np.random.default_rng(7)
+    n, k, e = 6, cfg.moe.top_k, cfg.moe.num_experts
+    idx = np.stack([rng.permutation(e)[:k] for _ in range(n)])
+    drop = rng.uniform(size=idx.shape) < 0.5
+    with jax.enable_x64(True):
+        xl = jnp.asarray(rng.normal(size=(n, cfg.moe.latent_width)))
+        w = jnp.asarray(np.where(drop, 0.0, rng.uniform(size=(n, k))))
+        kept = routed_experts(xl, jnp.asarray(np.where(drop, e, idx), jnp.int32), w, ex, cfg.situ_beta,
+                              cfg.situ_linear_beta, strategy)
+        want = sum(routed_experts(xl[t:t + 1], jnp.asarray(idx[t:t + 1, ~drop[t]], jnp.int32),
+                                  w[t:t + 1, ~drop[t]], ex, cfg.situ_beta, cfg.situ_linear_beta, strategy)
+                   * (jnp.arange(n) == t)[:, None] for t in range(n) if (~drop[t]).any())
+        assert float(jnp.abs(kept - want).max()) <= F64_RTOL * float(jnp.abs(want).max())
+
+
 def test_unknown_strategy_is_refused(experts):
     cfg, ex = experts
     with pytest.raises(ValueError, match="strategy must be"):

@@ -67,7 +67,8 @@ def routed_experts(xl: jax.Array, idx: jax.Array, weights: jax.Array, experts, b
       experts are read, which is what a few decode tokens want);
     - "auto": "gathered" when there are fewer pairs than experts, else "sorted".
     Each token's k contributions are combined in its top-k order (a gather, never a scatter-add, whose
-    GPU atomics would sum in a run-dependent order)."""
+    GPU atomics would sum in a run-dependent order). A pair whose id is outside [0, E) contributes
+    nothing when its weight is 0: expert parallelism hands over the pairs owned elsewhere that way."""
     act, acc = xl.dtype, acc_dtype(xl.dtype)
     n, k = idx.shape
     num_experts = jax.tree_util.tree_leaves(experts)[0].shape[0]  # packed or dense: [E, ...] either way

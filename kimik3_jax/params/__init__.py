@@ -50,7 +50,9 @@ def leaf_shardings(spec: Params, shardings: Any = None) -> Any:
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
         one = shardings or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return map_leaves(lambda _: one, spec)
-    if hasattr(shardings, "param_specs"):  # a ShardingPlan
+    from kimik3_jax.sharding.plan import ShardingPlan  # lazily: sharding builds on params
+
+    if isinstance(shardings, ShardingPlan):
         return shardings.params(spec)
     try:
         return jax.tree_util.tree_map(lambda _, s: s, spec, shardings, is_leaf=_is_leaf)

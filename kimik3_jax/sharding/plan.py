@@ -1,7 +1,7 @@
 """`ShardingPlan`: a mesh plus the rules table; every sharding of the model comes from it.
 
     plan = ShardingPlan.create({"expert": 4, "tensor": 2})     # or ShardingPlan.preset("ep_tp")
-    params = load_checkpoint(path, shardings=plan.params(spec))
+    cfg, params = load_checkpoint(path, shardings=plan)       # or shardings=plan.params(spec)
     cfg = cfg.with_runtime(sharding=plan)     # the model constrains its activations, runs the experts
     state = init_state(cfg, batch, max_len)   # expert-parallel, and makes its state in shards
 """
@@ -15,9 +15,13 @@ from typing import Any, Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kimik3_jax.params import map_leaves, named_leaves
+from kimik3_jax.params import Leaf, named_leaves
 from kimik3_jax.sharding.mesh import make_mesh, preset_sizes
 from kimik3_jax.sharding.rules import MESH_AXES, RULES, ShardingError, check_rules, partition_spec
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
 
 
 def _is_axes(x) -> bool:
@@ -68,17 +72,12 @@ class ShardingPlan:
     def sharding(self, axes, shape, what: str) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(axes, shape, what))
 
-    def param_specs(self, spec) -> Any:
-        """A tree of PartitionSpec for a described parameter tree (of `Leaf`)."""
-        return map_leaves(lambda leaf: self.spec(leaf.full_axes, leaf.full_shape, leaf.name), spec)
-
     def params(self, spec) -> Any:
-        """A tree of NamedSharding for a described parameter tree; raises ShardingError naming the first
-        tensor that cannot be split as the table says (all are checked here, before anything loads)."""
-        for path, leaf in named_leaves(spec):
-            self.spec(leaf.full_axes, leaf.full_shape, f"{path} ({leaf.name})")
-        return map_leaves(lambda leaf: NamedSharding(self.mesh, self.spec(leaf.full_axes, leaf.full_shape,
-                                                                            leaf.name)), spec)
+        """A tree of NamedSharding for a described parameter tree (of `Leaf`); raises ShardingError naming
+        the first tensor that cannot be split as the table says, before anything loads."""
+        shardings = [self.sharding(leaf.full_axes, leaf.full_shape, f"{path} ({leaf.name})")
+                     for path, leaf in named_leaves(spec)]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(spec, is_leaf=_is_leaf), shardings)
 
     def state_specs(self, shapes) -> Any:
         """PartitionSpecs of a DecodeState of arrays or ShapeDtypeStructs."""
