@@ -1,8 +1,9 @@
 """The Pallas KDA kernels (pallas_kernels/kda) in interpret mode on the CPU, against the float64 NumPy
 reference: the chunked prefill (T not a multiple of the chunk, T = 1, the -5 gate bound, non-zero initial
 states, per-row lengths, packed sequences of unequal lengths with their own states, chunk-boundary
-checkpoints equal to the recurrence's states there) and the fused decode step on a slot pool (against
-the pure op kda_decode and the NumPy conv + recurrence); the impl switch; the model with impl="pallas".
+checkpoints equal to the recurrence's states there) and the fused decode step on a slot pool, whole V
+per program and split over value tiles (against the pure op kda_decode and the NumPy conv + recurrence);
+the impl switch; the model with impl="pallas".
 
 q, k, v are bf16 and the kernels' matmuls run on bf16 operands (fp32 accumulation, as on the GPU), so
 outputs compare at bf16 level (BF16_RTOL = 1e-2) against float64 on the same bf16-rounded inputs.
@@ -128,31 +129,38 @@ def test_batch_checkpoints_equal_recurrence_states():
 
 # ---------------------------------------------------------------------------------------------- decode
 
-def decode_inputs(rng, n, pool, width=4):
-    c = H * D
+def decode_inputs(rng, n, pool, width=4, d=D):
+    c = H * d
     return dict(
         qkv=jnp.asarray(rng.standard_normal((n, 3, c)), jnp.bfloat16),
         conv_w=jnp.asarray(rng.standard_normal((3, c, width)) / 2, jnp.float32),
         conv_pool=jnp.asarray(rng.standard_normal((pool, 3, width - 1, c)), jnp.bfloat16),
-        s_pool=jnp.asarray(rng.standard_normal((pool, H, D, D)), jnp.float32),
+        s_pool=jnp.asarray(rng.standard_normal((pool, H, d, d)), jnp.float32),
         slots=jnp.asarray(rng.permutation(pool)[:n], jnp.int32),
-        g=jnp.asarray(rng.standard_normal((n, H, D)) * 3, jnp.float32),
+        g=jnp.asarray(rng.standard_normal((n, H, d)) * 3, jnp.float32),
         beta=jnp.asarray(rng.random((n, H)), jnp.float32),
-        gate=jnp.asarray(rng.standard_normal((n, H, D)), jnp.float32),
-        norm_w=jnp.asarray(rng.random(D) + 0.5, jnp.float32))
+        gate=jnp.asarray(rng.standard_normal((n, H, d)), jnp.float32),
+        norm_w=jnp.asarray(rng.random(d) + 0.5, jnp.float32))
 
 
-def test_decode_kernel_matches_op_and_reference():
+# The whole-V default (at D = 32, and at K = V = 128 as in the model) and the value split (block_v 32 and
+# 64 of V = 128: four and two value tiles per head).
+STATE_RTOL = 1e-6  # kernel vs op, both fp32 on the same inputs: ~1e-7 measured in every case
+DECODE_CASES = [(D, None), (128, None), (128, dict(block_v=32)), (128, dict(block_v=64, num_warps=4))]
+
+
+@pytest.mark.parametrize("d,tuning", DECODE_CASES, ids=["d32-whole", "d128-whole", "d128-bv32", "d128-bv64"])
+def test_decode_kernel_matches_op_and_reference(d, tuning):
     rng = np.random.default_rng(605)
     n, pool = 4, 7
-    x = decode_inputs(rng, n, pool)
+    x = decode_inputs(rng, n, pool, d=d)
     lengths = jnp.asarray([1, 0, 1, 1], jnp.int32)
     kw = dict(eps=1e-5, lengths=lengths, a_log=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32), lower_bound=LB)
-    o, conv, s = kda_decode(*x.values(), interpret=True, **kw)
+    o, conv, s = kda_decode(*x.values(), interpret=True, tuning=tuning, **kw)
     o_op, conv_op, s_op = decode_op(*x.values(), **kw)
     assert o.dtype == jnp.bfloat16 and conv.shape == x["conv_pool"].shape and s.shape == x["s_pool"].shape
     assert_close(o, o_op, BF16_RTOL, axis=-1, what="decode output vs op")
-    assert_close(s, s_op, F32_RTOL, axis=(-2, -1), what="decode state vs op")
+    assert_close(s, s_op, STATE_RTOL, axis=(-2, -1), what="decode state vs op")
     np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(conv_op, np.float32))
     untouched = np.setdiff1d(np.arange(pool), np.asarray(x["slots"])[np.asarray(lengths) > 0])
     np.testing.assert_array_equal(np.asarray(s)[untouched], np.asarray(x["s_pool"])[untouched])
@@ -166,9 +174,9 @@ def test_decode_kernel_matches_op_and_reference():
             y, _ = ref.causal_conv(np.asarray(x["qkv"][i, j:j + 1], np.float64)[None][0],
                                    np.asarray(x["conv_w"][j], np.float64)[:, None, :],
                                    np.asarray(x["conv_pool"][slot, j], np.float64))
-            ys.append(bf16_round(ref.silu(y))[0].reshape(H, D))
+            ys.append(bf16_round(ref.silu(y))[0].reshape(H, d))
         g = ref.kda_gate(np.asarray(x["g"][i], np.float64), np.asarray(kw["a_log"], np.float64), LB)
-        qn = ref.l2_normalize(ys[0], ref.L2_EPS) * D ** -0.5
+        qn = ref.l2_normalize(ys[0], ref.L2_EPS) * d ** -0.5
         kn = ref.l2_normalize(ys[1], ref.L2_EPS)
         o_ref, s_ref = ref.kda_recurrent(qn[None], kn[None], ys[2][None], g[None],
                                          np.asarray(x["beta"][i], np.float64)[None],
@@ -177,6 +185,25 @@ def test_decode_kernel_matches_op_and_reference():
             ref.sigmoid(np.asarray(x["gate"][i], np.float64))
         assert_close(o[i], o_ref, BF16_RTOL, axis=-1, what=f"decode output {i} vs NumPy")
         assert_close(s[slot], s_ref, F32_RTOL, axis=(-2, -1), what=f"decode state {i} vs NumPy")
+
+
+def test_decode_value_split_equals_whole_v_and_checks_block_v():
+    """The value split against the whole-V kernel on the same call: the same per-column arithmetic, so
+    states agree to fp32 rounding and outputs at bf16 level (the RMSNorm sums in another order); tails
+    exactly. A block_v that is not a power of two dividing V is refused."""
+    rng = np.random.default_rng(607)
+    x = decode_inputs(rng, 3, 5, d=64)
+    kw = dict(eps=1e-5, lengths=jnp.asarray([1, 1, 0], jnp.int32), lower_bound=LB,
+              a_log=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32))
+    o, conv, s = kda_decode(*x.values(), interpret=True, **kw)
+    o2, conv2, s2 = kda_decode(*x.values(), interpret=True, tuning=dict(block_v=16), **kw)
+    assert o2.dtype == o.dtype and s2.shape == s.shape
+    assert_close(o2, o, BF16_RTOL, axis=-1, what="split vs whole-V output")
+    assert_close(s2, s, STATE_RTOL, axis=(-2, -1), what="split vs whole-V state")
+    np.testing.assert_array_equal(np.asarray(conv2, np.float32), np.asarray(conv, np.float32))
+    for bad in (24, 128, 8):
+        with pytest.raises(ValueError, match="block_v"):
+            kda_decode(*x.values(), interpret=True, tuning=dict(block_v=bad), **kw)
 
 
 # ------------------------------------------------------------------------------------------- the switch

@@ -4,7 +4,17 @@ Each program reads its slot's conv tails for the head's channels and its [K, V] 
 the q/k/v causal conv + SiLU (rounded to the activation dtype, as the reference), the gate, the q/k L2
 norm, the decay + delta-rule update + read, the gated RMSNorm of the output, and writes the new state
 back in place (the state pool is an aliased input/output) and each row's new conv tails (scattered into
-their slots after the kernel). Bandwidth-bound: the state is read and written once. Implements `kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
+their slots after the kernel). Bandwidth-bound: the state is read and written once. Implements
+`kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
+
+Value split (`tuning=dict(block_v=B)`, B a power of two below V that divides it): the grid becomes
+(N, H, V // B), more and smaller programs (a [K, B] slice of the state each, fewer registers). The
+prediction, the delta-rule update and the read are independent per value column, so each program
+recomputes the head's q/k conv + SiLU, the gate and the q/k L2 norm (K channels each), convolves only its
+B value channels, and updates and reads only its state slice. The output RMSNorm needs the whole value
+row: the kernel writes the un-normed fp32 output and the gated RMSNorm runs after it in plain JAX over
+[N, H, V] (N*H*V*4 bytes, 1/K of the state traffic). Only the programs of value tile 0 write the new
+conv tails. The default (block_v None or V) is the whole-V kernel above, unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from kimik3_jax.ops.impl import Unsupported, register
 from kimik3_jax.ops.kda import L2_EPS
 from pallas_kernels.kda.common import compiler_params, resolve_interpret
 
-TUNING = dict(num_warps=8, num_stages=1)
+TUNING = dict(num_warps=8, num_stages=1, block_v=None)  # block_v None: whole V per program
 
 
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
@@ -64,6 +74,71 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     plt.store(s_out.at[slot, h, :, :], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, dv)))
 
 
+def _decode_split_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref,
+                         o_ref, tails_out, s_out, *, bv, lower_bound, gate, qk_norm):
+    """One program per (sequence, head, value tile): the whole-V kernel's arithmetic on a [K, bv] slice
+    of the state, the output written un-normed in fp32 (the gated RMSNorm follows the kernel)."""
+    f32 = jnp.float32
+    n, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dk = s_ref.shape[-2]
+    width = w_ref.shape[-1]
+    act = qkv_ref.dtype
+    slot = slots_ref[n]
+    active = lens_ref[n] > 0
+    first = t == 0
+    cs = pl.ds(h * dk, dk)  # the head's channels of q, k (and of v, for the tails)
+    vs = pl.ds(h * dk + t * bv, bv)  # this tile's value channels
+    keep = jnp.broadcast_to(active, (dk,))
+    write_tails = jnp.broadcast_to(first, (dk,))
+
+    def conv(j, chans, size):
+        x = qkv_ref[n, j, chans]
+        hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [x]
+        y = jnp.zeros((size,), f32)
+        for r in range(width):
+            y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
+        return jax.nn.silu(y).astype(act).astype(f32), hist
+
+    ys = []
+    for j in range(3):
+        if j < 2:
+            y, hist = conv(j, cs, dk)
+            ys.append(y)
+        else:
+            hist = [conv_ref[slot, j, r, cs] for r in range(width - 1)] + [qkv_ref[n, j, cs]]
+        for r in range(width - 1):  # the tail moves by one token (an inactive row keeps its tail); tile 0 writes
+            new = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
+            # (array indices: the interpreter's masked store rejects Python ints, jax 0.10.2)
+            plt.store(tails_out.at[n, jnp.int32(j), jnp.int32(r), cs], new, mask=write_tails)
+    q, k = ys
+    v, _ = conv(2, vs, bv)
+    if qk_norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    g = g_ref[n, h, :].astype(f32)
+    if gate:
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+    g = jnp.where(active, g, 0.0)
+    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+    cols = pl.ds(t * bv, bv)
+    s = s_ref[slot, h, :, cols].astype(f32) * jnp.exp(g)[:, None]  # decay first
+    pred = jnp.sum(s * k[:, None], axis=0)
+    s = s + k[:, None] * (beta * (v - pred))[None, :]
+    o_ref[n, h, cols] = jnp.sum(s * q[:, None], axis=0)  # read after the update, un-normed fp32
+    plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, bv)))
+
+
+def block_v_of(tuning: dict, dv: int) -> int:
+    """The value tile a tuning asks for: V when None; else a power of two >= 16 dividing V."""
+    bv = tuning.get("block_v")
+    if bv is None:
+        return dv
+    bv = int(bv)
+    if bv < 16 or bv & (bv - 1) or dv % bv:
+        raise ValueError(f"kda_decode kernel: block_v = {bv} is not a power of two >= 16 dividing V = {dv}")
+    return bv
+
+
 def supports(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, eps, lengths=None, a_log=None,
              lower_bound=None, qk_norm=True, interpret=None, tuning=None):
     for name, x in (("qkv", qkv), ("conv_pool", conv_pool), ("s_pool", s_pool), ("g", g), ("gate", gate)):
@@ -103,9 +178,36 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     # exact: docs/benchmarks.md), so the kernel writes each row's new tails (221 KB per sequence at K3's
     # widths, 4% of its state traffic) and one scatter puts them in their slots.
     slots = slots.astype(jnp.int32)
+    dv = s_pool.shape[-1]
+    bv = block_v_of(t, dv)
+    if bv < dv:
+        return _decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr,
+                             bv=bv, eps=float(eps), tuning=t, interpret=resolve_interpret(interpret),
+                             lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
+                             gate_on=a_log is not None, qk_norm=qk_norm)
     o, tails, s_pool = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={6: 2},
         interpret=resolve_interpret(interpret), name="kda_decode",
         compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
     )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)
+    return o, conv_pool.at[slots].set(tails), s_pool
+
+
+def _decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, *, bv, eps,
+                  tuning, interpret, lower_bound, gate_on, qk_norm):
+    """The value-split launch (grid (N, H, V // bv)), then the gated RMSNorm of the fp32 output."""
+    f32 = jnp.float32
+    nb, nh, dv = qkv.shape[0], s_pool.shape[1], s_pool.shape[-1]
+    kernel = functools.partial(_decode_split_kernel, bv=bv, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm)
+    out_shape = (jax.ShapeDtypeStruct((nb, nh, dv), f32),
+                 jax.ShapeDtypeStruct((nb,) + conv_pool.shape[1:], conv_pool.dtype),
+                 jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
+    # Only the state pool is aliased, as in the whole-V launch (see there).
+    o, tails, s_pool = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(nb, nh, dv // bv), input_output_aliases={6: 2},
+        interpret=interpret, name="kda_decode_split",
+        compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
+    )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta)
+    o = o * jax.lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps) * norm_w.astype(f32)
+    o = (o * jax.nn.sigmoid(gate.astype(f32))).astype(qkv.dtype)
     return o, conv_pool.at[slots].set(tails), s_pool

@@ -1,6 +1,7 @@
 """The KDA kernels compiled for the GPU (Triton) at the benchmark shapes, against the plain-JAX chunked
 scan in fp32 on the same bf16-rounded inputs: outputs and final states at bf16 level; packed sequences of
-unequal lengths with their chunk-boundary checkpoints; the fused decode step on a slot pool."""
+unequal lengths with their chunk-boundary checkpoints; the fused decode step on a slot pool (whole V per
+program and split over value tiles of 32 and 64)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,8 +64,9 @@ def test_packed_sequences_and_checkpoints():
     assert np.all(np.asarray(c[n_cp:]) == 0) or c.shape[0] == n_cp
 
 
+@pytest.mark.parametrize("block_v", [None, 32, 64])  # None: whole V per program (the default)
 @pytest.mark.parametrize("n", [1, 32, 256])
-def test_decode_matches_reference(n):
+def test_decode_matches_reference(n, block_v):
     h, w, pool = 96, 4, n + 3
     ks = jax.random.split(jax.random.key(n), 9)
     qkv = jax.random.normal(ks[0], (n, 3, h * D), jnp.bfloat16)
@@ -79,7 +81,8 @@ def test_decode_matches_reference(n):
     lengths = (jnp.arange(n) % 5 != 4).astype(jnp.int32)  # some inactive slots
     kw = dict(eps=1e-5, lengths=lengths, a_log=jnp.linspace(-1, 1, h, dtype=jnp.float32), lower_bound=-5.0)
     args = (qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w)
-    o, c, s = jax.jit(lambda *a: kda_decode(*a, **kw))(*args)
+    tuning = None if block_v is None else dict(block_v=block_v, num_warps=4)
+    o, c, s = jax.jit(lambda *a: kda_decode(*a, tuning=tuning, **kw))(*args)
     # The reference runs on the host CPU: XLA's GPU op at N = 1 is itself off by ~2e-3 in the state
     # (measured with tests/gpu/probe_kda_n1.py; the kernel agrees with the CPU op to 1e-6 there).
     cpu = jax.devices("cpu")[0]
