@@ -95,7 +95,8 @@ def _forward(params, cfg: ModelConfig, tokens, lengths, state: DecodeState, deco
         last = jnp.maximum(lengths - 1, 0)[None, :, None, None]
         cands = jnp.take_along_axis(cands, last, axis=2)
     h = attn_res_mix(cands, fold_site(t.out_res_norm, t.out_res_proj, act), eps, nb + 1)
-    logits = constrain(linear(rms_norm(h, t.final_norm, eps), t.lm_head, acc_dtype(act)), cfg, ("batch", "seq", "vocab"))
+    logits = linear(rms_norm(h, t.final_norm, eps), t.lm_head, acc_dtype(act))
+    logits = constrain(logits, cfg, ("batch", "seq", "vocab"))
     kda_s, kda_conv, mla_kv = st
     new = DecodeState(kda=state.kda.replace(s=kda_s, conv=kda_conv), mla=state.mla.replace(kv=mla_kv),
                       lengths=start + lengths.astype(start.dtype))

@@ -25,7 +25,8 @@ def add_sharding_arguments(p: argparse.ArgumentParser) -> None:
                         "device count of all processes); default: one device")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="multi-host: address of process 0 (or $JAX_COORDINATOR_ADDRESS)")
-    g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes ($JAX_NUM_PROCESSES)")
+    g.add_argument("--num-processes", type=int, default=None,
+                   help="multi-host: number of processes ($JAX_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process, 0-based ($JAX_PROCESS_ID)")
 
 

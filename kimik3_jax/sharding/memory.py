@@ -117,9 +117,9 @@ def report(cfg: ModelConfig, mp: MemoryPlan, batch: int, context: int) -> str:
     if mp.params > mp.budget:
         lines.append("the parameters alone do not fit: use more devices (expert=, tensor=) or larger ones")
     else:
+        longest = min(mp.largest_context(batch), cfg.max_position_embeddings)
         lines.append(f"largest batch at context {context:,}: {mp.largest_batch(context):,}; "
-                     f"largest context at batch {batch}: {min(mp.largest_context(batch), cfg.max_position_embeddings):,} "
-                     f"(model maximum {cfg.max_position_embeddings:,})")
+                     f"largest context at batch {batch}: {longest:,} (model maximum {cfg.max_position_embeddings:,})")
         for t in (4096, 32768, 131072, cfg.max_position_embeddings):
             if t <= cfg.max_position_embeddings:
                 lines.append(f"  context {t:>9,}: largest batch {mp.largest_batch(t):,}")
