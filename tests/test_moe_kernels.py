@@ -28,27 +28,39 @@ DECODE = TileConfig(16, Tiles(32, 32), Tiles(32, 64))
 PREFILL = TileConfig(128, Tiles(64, 64), Tiles(32, 128))
 
 
-def _decode_in_kernel(packed, scale):
+def _decode_in_kernel(packed, scale, decode=dec.decode):
     def kernel(p_ref, s_ref, o_ref):
-        o_ref[...] = dec.decode(p_ref[...], s_ref[...])
+        o_ref[...] = decode(p_ref[...], s_ref[...])
     rows, half = packed.shape
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, 2 * half), jnp.bfloat16),
                           interpret=True)(packed, scale)
 
 
-def test_decode_is_bit_exact_for_every_byte_and_scale_1_to_254():
+@pytest.mark.parametrize("decode", [dec.decode, dec.decode_fast], ids=["exact", "fast"])
+def test_decode_is_bit_exact_for_every_byte_and_scale_1_to_254(decode):
     packed = np.tile(np.arange(256, dtype=np.uint8), (254, 1))  # every byte, i.e. every nibble pair
     scale = np.repeat(np.arange(1, 255, dtype=np.uint8)[:, None], 512 // 32, axis=1)  # row r: byte r + 1
-    got = _decode_in_kernel(jnp.asarray(packed), jnp.asarray(scale))
+    got = _decode_in_kernel(jnp.asarray(packed), jnp.asarray(scale), decode)
     want = mxfp4.dequantize(packed, scale, jnp.bfloat16)
     bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
     np.testing.assert_array_equal(bits(got), bits(want))  # incl. -0.0, the subnormal 2^-127 and inf
     assert np.isinf(np.asarray(want, np.float32)).any()  # bytes 253/254 do overflow
 
 
-def test_decode_of_scale_byte_0_zero_groups():
+def test_fast_decode_needs_no_subnormal_arithmetic():
+    """Interpret mode runs on XLA CPU, which flushes subnormal inputs and results of float arithmetic
+    (the premise of `decode_fast`'s design): so the test above also covers a flushing GPU."""
+    tiny = jax.lax.bitcast_convert_type(jnp.uint32(0x00400000), jnp.float32)  # 2^-127
+    one = jnp.float32(1.0)  # an argument, so that XLA cannot drop the multiply
+    assert float(jax.jit(lambda a, b: a * b)(tiny, one)) == 0.0  # an input flushed
+    half, normal = jnp.float32(0.5), jax.lax.bitcast_convert_type(jnp.uint32(0x00800000), jnp.float32)
+    assert float(jax.jit(lambda a, b: a * b)(half, normal)) == 0.0  # 0.5 x 2^-126: the result flushed
+
+
+@pytest.mark.parametrize("decode", [dec.decode, dec.decode_fast], ids=["exact", "fast"])
+def test_decode_of_scale_byte_0_zero_groups(decode):
     packed = np.array([[0x00, 0x88, 0x80, 0x08] * 8], np.uint8)  # +-0 only, as an all-zero group stores
-    got = _decode_in_kernel(jnp.asarray(packed), jnp.zeros((1, 2), jnp.uint8))
+    got = _decode_in_kernel(jnp.asarray(packed), jnp.zeros((1, 2), jnp.uint8), decode)
     want = mxfp4.dequantize(packed, np.zeros((1, 2), np.uint8), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16)),
                                   np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint16)))
@@ -111,6 +123,34 @@ def test_scale_bytes_across_1_to_254():
     idx, w = _routing(rng, 20, 4, "random")
     xl = jnp.asarray(rng.standard_normal((20, L)) * 2.0 ** -12, jnp.bfloat16)
     _check(xl, idx, w, ex, DECODE)
+
+
+def _wide_scale_experts(rng):
+    """Experts with scale bytes across 1..254 that keep every weight and fp32 sum finite (see below)."""
+    ex = _experts(rng, 1, 254)
+    fix = {}
+    for name in ("w1", "w3"):
+        p, s = np.asarray(getattr(ex, name + "_packed")), np.asarray(getattr(ex, name + "_scale"))
+        fix[name + "_packed"] = jnp.asarray(np.where(np.repeat(s >= 240, 16, axis=-1), p & 0x99, p), jnp.uint8)
+    fix["w2_scale"] = jnp.asarray(rng.integers(1, 231, ex.w2_scale.shape), jnp.uint8)
+    return ex.replace(**fix)
+
+
+@pytest.mark.parametrize("config,n,k,kind,wide", [(DECODE, 40, 4, "skewed", True), (DECODE, 33, 1, "one_expert", False),
+                                                  (PREFILL, 24, 4, "random", True)],
+                         ids=["decode-uneven-wide", "decode-one-expert", "prefill-wide"])
+def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, wide):
+    """decode="fast" against the default decode="exact": the same weights reach the same MMAs, so every
+    output bit agrees (uneven and empty groups, all tokens on one expert, scale bytes 1..254)."""
+    rng = np.random.default_rng([n, k, 3])
+    experts = _wide_scale_experts(rng) if wide else _experts(rng)
+    idx, w = _routing(rng, n, k, kind)
+    xl = jnp.asarray(rng.standard_normal((n, L)) * (2.0 ** -12 if wide else 1.0), jnp.bfloat16)
+    run = lambda d: np.asarray(kern.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, config=config,
+                                                   interpret=True, decode=d))
+    exact, fast = run("exact"), run("fast")
+    assert np.isfinite(exact).all() and np.abs(exact).max() > 0
+    np.testing.assert_array_equal(fast.view(np.uint32), exact.view(np.uint32))
 
 
 def test_out_of_range_expert_ids_are_skipped():

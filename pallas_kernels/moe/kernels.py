@@ -96,7 +96,7 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
 
 
 def _decoder(name: str):
-    return {"exact": dec.decode, "reinterpret": dec.reinterpret}[name]
+    return {"exact": dec.decode, "fast": dec.decode_fast, "reinterpret": dec.reinterpret}[name]
 
 
 def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:

@@ -70,8 +70,8 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
                    interpret=None, decode="exact"):
     """Same contract as `kimik3_jax.ops.moe.routed_experts` (bf16 xl [N, L], packed experts of one layer)
     -> [N, L] float32. `strategy` is the pure op's and is ignored: the tiles follow the number of pairs per
-    expert (`choose_config`) unless `config` is given. `decode="reinterpret"` is a benchmark diagnostic
-    (wrong values)."""
+    expert (`choose_config`) unless `config` is given. `decode="fast"` decodes the same bits with fewer
+    integer operations (decode.decode_fast); `decode="reinterpret"` is a benchmark diagnostic (wrong values)."""
     del strategy
     n, k = idx.shape
     num_experts, width, half = experts.w1_packed.shape

@@ -1,5 +1,6 @@
-"""The MXFP4 MoE kernels compiled for the GPU (not interpreted): the CPU suite's cases (tests/test_moe_kernels.py)
-and the whole latent MoE through the switch. The benchmark shapes (K3 widths, 896 experts) are checked by
+"""The MXFP4 MoE kernels compiled for the GPU (not interpreted): the CPU suite's cases (tests/test_moe_kernels.py),
+both decodes bit for bit (decode="fast" against the reference and against decode="exact"), and the whole latent
+MoE through the switch. The benchmark shapes (K3 widths, 896 experts) are checked by
 benchmarks/moe.py in the same run as the timings."""
 
 import jax
@@ -7,10 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_moe_kernels as cpu
+from jax.experimental import pallas as pl
 
+from kimik3_jax import mxfp4
 from kimik3_jax.ops.moe import latent_moe
 from kimik3_jax.params import init_params
 from kimik3_jax.presets import preset
+from pallas_kernels.moe import decode as dec
 from pallas_kernels.moe import routed as kern
 
 
@@ -23,6 +27,34 @@ def test_compiled_kernel_equals_pure_op(config, n, k, kind):
     idx, w = cpu._routing(rng, n, k, kind)
     xl = jnp.asarray(rng.standard_normal((n, cpu.L)), jnp.bfloat16)
     cpu._check(xl, idx, w, experts, config, interpret=False)
+
+
+@pytest.mark.parametrize("decode", [dec.decode, dec.decode_fast], ids=["exact", "fast"])
+def test_compiled_decode_is_bit_exact_for_every_byte_and_scale_1_to_254(decode):
+    """Compiled, so the GPU's own float semantics (subnormals, fp16 conversion) meet every code."""
+    def kernel(p_ref, s_ref, o_ref):
+        o_ref[...] = decode(p_ref[...], s_ref[...])
+    packed = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # rows 254, 255: bytes 1, 2 again
+    scale = np.repeat(np.concatenate([np.arange(1, 255), [1, 2]]).astype(np.uint8)[:, None], 16, axis=1)
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((256, 512), jnp.bfloat16), interpret=False)(
+        jnp.asarray(packed), jnp.asarray(scale))
+    want = mxfp4.dequantize(packed, scale, jnp.bfloat16)
+    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("config", [cpu.DECODE, cpu.PREFILL, None], ids=["decode", "prefill", "default"])
+@pytest.mark.parametrize("n,k,kind,wide", [(1, 4, "random", False), (40, 4, "skewed", True),
+                                           (33, 1, "one_expert", False), (600, 4, "random", True)])
+def test_compiled_fast_decode_equals_exact_bitwise(config, n, k, kind, wide):
+    rng = np.random.default_rng([n, k, 5])
+    experts = cpu._wide_scale_experts(rng) if wide else cpu._experts(rng)
+    idx, w = cpu._routing(rng, n, k, kind)
+    xl = jnp.asarray(rng.standard_normal((n, cpu.L)) * (2.0 ** -12 if wide else 1.0), jnp.bfloat16)
+    run = lambda d: np.asarray(kern.routed_experts(xl, idx, w, experts, 4.0, 25.0, config=config, decode=d))
+    exact, fast = run("exact"), run("fast")
+    assert np.isfinite(exact).all() and np.abs(exact).max() > 0
+    np.testing.assert_array_equal(fast.view(np.uint32), exact.view(np.uint32))
 
 
 def test_compiled_scale_bytes_and_skipped_pairs():
