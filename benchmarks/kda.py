@@ -8,9 +8,14 @@ plain-JAX chunked scan in fp32 (full-precision matmuls) on the same bf16-rounded
 
     PYTHONPATH=$PWD python3 benchmarks/kda.py [--sweep] [--quick] [--only decode] [--json out.json]
 
-With --sweep the decode part tries value tiles (block_v) of 32, 64 and 128 (= V, the default whole-V
-kernel) with 4 and 8 warps, printing each one's time, bandwidth and errors. --decode-ns / --decode-heads
-shrink the decode shapes (on a CPU the kernels run interpreted: a smoke test, not a measurement).
+With --sweep the prefill part tries one-phase tunings and the two-phase variant (tuning phases=2: the
+per-chunk work parallel over (chunk, head), then the serial state kernel) at chunks 16 / 32 / 64 and value
+tiles 32 / 64 / 128, printing each one's time and errors and reporting the best of each variant; the
+decode part tries value tiles (block_v) of 32, 64 and 128 (= V, the default whole-V kernel) with 4 and 8
+warps, printing each one's time, bandwidth and errors. --prefill-shapes / --decode-ns / --decode-heads
+shrink the shapes (on a CPU the kernels run interpreted: a smoke test, not a measurement), e.g.
+
+    PYTHONPATH=$PWD python3 benchmarks/kda.py --sweep --no-peers --prefill-shapes 1x64x2 --decode-ns 2 --decode-heads 2
 """
 
 from __future__ import annotations
@@ -41,6 +46,26 @@ WIDTH = 4
 TUNINGS = [dict(chunk=c, block_v=bv, num_warps=w, num_stages=s)
            for c, bv, w, s in [(32, 64, 4, 2), (32, 32, 4, 2), (32, 128, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2),
                                (32, 64, 8, 2), (16, 128, 4, 2)]]
+# two-phase: chunk, value tile, warps and stages of the serial phase 2, warps of the parallel phase 1
+TWO_PHASE_TUNINGS = [dict(phases=2, chunk=c, block_v=bv, num_warps=w, num_stages=s, phase1_warps=w1)
+                     for c, bv, w, s, w1 in [(32, 128, 8, 2, 4), (32, 64, 4, 2, 4), (32, 32, 4, 2, 4),
+                                             (64, 128, 8, 2, 8), (64, 64, 4, 2, 8), (64, 64, 8, 3, 4),
+                                             (64, 32, 4, 2, 8), (16, 64, 4, 2, 4)]]
+TWO_PHASE_TUNINGS += [dict(t, u0_bf16=True) for t in TWO_PHASE_TUNINGS[:2] + TWO_PHASE_TUNINGS[3:5]]
+
+
+def prefill_bytes(b, t, h, tuning):
+    """HBM bytes of one prefill call: bf16 q/k/v in and o out, fp32 gate and beta, fp32 states in and
+    out; the two-phase variant adds its workspaces (written once, read once per value tile)."""
+    base = b * t * h * (2 * DK * 2 + 4 * DK + 4 + 2 * DV + 2 * DV) + 2 * b * h * DK * DV * 4
+    tn = dict(pprefill.TUNING, **tuning)
+    if tn.get("phases", 1) != 2:
+        return base
+    c, tiles = tn["chunk"], DV // min(tn["block_v"], DV)
+    n_chunks = b * -(-t // c)
+    shared = n_chunks * h * (c * (3 * DK * 2 + c * 2) + DK * 4)  # w, q_dec, k_tail, M (bf16), e^(G_C) (fp32)
+    u0 = n_chunks * h * c * DV * (2 if tn.get("u0_bf16") else 4)  # fp32 unless u0_bf16
+    return base + (shared + u0) + (shared * tiles + u0)
 
 
 def bench_jax(f, *args, reps=20):
@@ -84,7 +109,7 @@ def ours_prefill(tuning):
 
 def run_prefill(args, torch_mods, jla):
     rows = []
-    for b, t, h in PREFILL_SHAPES:
+    for b, t, h in args.prefill_shapes:
         if args.quick and t * b * h > 8192 * 96:
             continue
         x = prefill_inputs(b, t, h)
@@ -94,19 +119,28 @@ def run_prefill(args, torch_mods, jla):
             row["xla_ms"] = bench_jax(reference_prefill, *x, reps=5)
         # ours: the default tuning, plus a sweep on request
         best = None
-        for tuning in (TUNINGS if args.sweep else [pprefill.TUNING]):
+        best_by_phases = {}
+        for tuning in (TUNINGS + TWO_PHASE_TUNINGS if args.sweep else [pprefill.TUNING]):
             try:
                 f = ours_prefill(tuning)
-                ms = bench_jax(f, *x)
+                ms = bench_jax(f, *x, reps=args.reps)
+                o, s = f(*x)
+                errs = (rel(o, ref_o), rel(s, ref_s))
             except Exception as e:  # noqa: BLE001  a tuning that does not compile is skipped, and reported
                 print(f"  tuning {tuning} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            print(f"  ours {(b, t, h)} {tuning}: {ms:.3f} ms")
+            print(f"  ours {(b, t, h)} {tuning}: {ms:.3f} ms, {prefill_bytes(b, t, h, tuning) / ms / 1e9:.2f} TB/s, "
+                  f"err o / state {errs[0]:.1e} / {errs[1]:.1e}")
             if best is None or ms < best[0]:
-                best = (ms, tuning, f)
-        ms, tuning, f = best
-        o, s = f(*x)
-        row.update(ours_ms=ms, ours_tuning=tuning, ours_err_o=rel(o, ref_o), ours_err_s=rel(s, ref_s))
+                best = (ms, tuning, errs)
+            phases = tuning.get("phases", 1)
+            if phases not in best_by_phases or ms < best_by_phases[phases][0]:
+                best_by_phases[phases] = (ms, tuning, errs)
+        ms, tuning, errs = best
+        row.update(ours_ms=ms, ours_tuning=tuning, ours_err_o=errs[0], ours_err_s=errs[1])
+        for phases, (p_ms, p_tuning, p_errs) in sorted(best_by_phases.items()):
+            row.update({f"ours_{phases}phase_ms": p_ms, f"ours_{phases}phase_tuning": p_tuning,
+                        f"ours_{phases}phase_err_o": p_errs[0], f"ours_{phases}phase_err_s": p_errs[1]})
         if jla is not None:
             try:
                 fj = jax.jit(lambda q, k, v, g, beta, s0: jla.linear_attention(
@@ -133,9 +167,9 @@ def run_prefill(args, torch_mods, jla):
         if peers:
             row["speedup_vs_best_peer"] = min(peers) / row["ours_ms"]
         # tensor-core work of the chunked form (per token and head: 2*(C K + C K + C K + C V + 3 K V + C V))
-        c = row["ours_tuning"]["chunk"]
+        c = dict(pprefill.TUNING, **row["ours_tuning"])["chunk"]
         flops = 2 * b * t * h * (3 * c * DK + 2 * c * DV + 3 * DK * DV)
-        bytes_ = b * t * h * (2 * DK * 2 + 4 * DK + 4 + 2 * DV + 2 * DV) + 2 * b * h * DK * DV * 4
+        bytes_ = prefill_bytes(b, t, h, row["ours_tuning"])
         row["ours_tflops"] = flops / row["ours_ms"] / 1e9
         row["ours_tbps"] = bytes_ / row["ours_ms"] / 1e9
         print(json.dumps(row))
@@ -223,6 +257,9 @@ def main():
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", choices=("prefill", "decode"), default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefill-shapes", type=lambda a: [tuple(int(y) for y in x.split("x")) for x in a.split(",")],
+                    default=PREFILL_SHAPES, help="prefill (B, T, H) shapes as BxTxH, comma-separated")
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per prefill tuning (median)")
     ap.add_argument("--decode-ns", type=lambda a: [int(x) for x in a.split(",")], default=DECODE_NS,
                     help="decode batch sizes, comma-separated (default 1,32,256)")
     ap.add_argument("--decode-heads", type=int, default=96, help="decode heads (default 96, K3's)")
@@ -247,13 +284,15 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    print("\n| (B, T, H) | ours ms | fla ms | jla ms | xla ms | speedup vs best peer | err ours / fla / jla |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| (B, T, H) | ours ms | one-phase ms | two-phase ms | fla ms | jla ms | xla ms | speedup vs best peer "
+          "| err ours / fla / jla |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in result["prefill"]:
         fmt = lambda k: f"{r[k]:.3f}" if k in r else "-"
         errs = " / ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("ours_err_o", "fla_err_o", "jla_err_o"))
         sp = f"{r['speedup_vs_best_peer']:.2f}x" if "speedup_vs_best_peer" in r else "-"
-        print(f"| {r['shape']} | {fmt('ours_ms')} | {fmt('fla_ms')} | {fmt('jla_ms')} | {fmt('xla_ms')} | {sp} | {errs} |")
+        print(f"| {r['shape']} | {fmt('ours_ms')} | {fmt('ours_1phase_ms')} | {fmt('ours_2phase_ms')} | {fmt('fla_ms')} "
+              f"| {fmt('jla_ms')} | {fmt('xla_ms')} | {sp} | {errs} |")
     print(f"\n| decode N (H={args.decode_heads}) | ours us/step | ours us/call | ours TB/s | ours block_v, warps "
           "| fla us | fla TB/s | err o / state |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -8,6 +8,10 @@ the impl switch; the model with impl="pallas".
 q, k, v are bf16 and the kernels' matmuls run on bf16 operands (fp32 accumulation, as on the GPU), so
 outputs compare at bf16 level (BF16_RTOL = 1e-2) against float64 on the same bf16-rounded inputs.
 Kept small (K = V = 32, two heads, a few chunks) so the whole file runs in well under a minute.
+
+Every prefill test also runs the two-phase variant (tuning phases=2: a parallel per-chunk kernel, then
+the serial state kernel), at chunk 16 (one sub-block), 32 (two) and 64 (four, at the -5 bound), and
+once with its u0 workspace in bf16.
 """
 import jax
 import jax.numpy as jnp
@@ -25,6 +29,9 @@ from pallas_kernels.kda.prefill import kda_prefill
 LB = -5.0
 H, D = 2, 32
 SMALL = dict(chunk=16, block_v=16)  # two value tiles, chunk 16
+TWO = dict(phases=2)  # the two-phase variant at the default chunk 32, whole V
+TWO_SMALL = dict(SMALL, phases=2)
+TWO_64 = dict(phases=2, chunk=64, block_v=16)  # four sub-blocks per chunk, two value tiles
 bf16_round = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
 
 
@@ -61,7 +68,10 @@ def run_prefill(x, **kw):
 
 
 @pytest.mark.parametrize("t,gates,tuning", [(45, "random", None), (1, "random", None), (64, "bound", SMALL),
-                                            (37, "bound", None), (50, "random", SMALL)])
+                                            (37, "bound", None), (50, "random", SMALL),
+                                            (1, "random", TWO), (64, "bound", TWO_SMALL),
+                                            (50, "random", dict(TWO_SMALL, u0_bf16=True)),
+                                            (70, "bound", TWO_64)])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
     rng = np.random.default_rng([601, t])
     x = raw_inputs(rng, 2, t, gates)
@@ -73,11 +83,12 @@ def test_prefill_kernel_matches_reference(t, gates, tuning):
         assert_close(s[b], s_ref, BF16_RTOL, axis=(-2, -1), what=f"prefill T={t} {gates} state")
 
 
-def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op():
+@pytest.mark.parametrize("tuning", [SMALL, TWO_SMALL], ids=["one-phase", "two-phase"])
+def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
     rng = np.random.default_rng(602)
     x = raw_inputs(rng, 2, 40)
     lengths = jnp.asarray([40, 23], jnp.int32)
-    o, s = run_prefill(x, lengths=lengths, out_dtype=jnp.bfloat16, tuning=SMALL)
+    o, s = run_prefill(x, lengths=lengths, out_dtype=jnp.bfloat16, tuning=tuning)
     assert o.dtype == jnp.bfloat16
     _, s_ref, _ = reference_seq(*(a[1, :23] for a in x[:5]), x[5][1], x[6])
     assert_close(s[1], s_ref, BF16_RTOL, axis=(-2, -1), what="state after 23 real tokens")
@@ -90,13 +101,14 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op():
     assert_close(s, s_op, BF16_RTOL, axis=(-2, -1), what="kernel vs op states")
 
 
-def test_packed_sequences_with_own_states_and_checkpoints():
+@pytest.mark.parametrize("tuning", [SMALL, TWO_SMALL], ids=["one-phase", "two-phase"])
+def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     lens = [37, 1, 70, 16, 0, 33]
     cp = 16
     cu = np.concatenate([[0], np.cumsum(lens)])
     rng = np.random.default_rng(603)
     x = raw_inputs(rng, 1, int(cu[-1]), "random", n_states=len(lens))
-    o, s, c = run_prefill(x, cu_seqlens=jnp.asarray(cu, jnp.int32), checkpoint=cp, tuning=SMALL)
+    o, s, c = run_prefill(x, cu_seqlens=jnp.asarray(cu, jnp.int32), checkpoint=cp, tuning=tuning)
     assert c.shape == (int(cu[-1]) // cp, H, D, D)
     row = 0
     for n, ln in enumerate(lens):
@@ -117,14 +129,73 @@ def test_packed_sequences_with_own_states_and_checkpoints():
     assert_close(c[:row], c_op[:row], BF16_RTOL, axis=(-2, -1), what="kernel vs op checkpoints")
 
 
-def test_batch_checkpoints_equal_recurrence_states():
+@pytest.mark.parametrize("tuning", [None, TWO], ids=["one-phase", "two-phase"])
+def test_batch_checkpoints_equal_recurrence_states(tuning):
     rng = np.random.default_rng(604)
     x = raw_inputs(rng, 2, 50, "bound")
-    o, s, c = run_prefill(x, checkpoint=32)
+    o, s, c = run_prefill(x, checkpoint=32, tuning=tuning)
     assert c.shape == (2, 1, H, D, D)
     for b in range(2):
         _, _, states = reference_seq(*(a[b] for a in x[:6]), x[6], upto=[32])
         assert_close(c[b, 0], states[0], BF16_RTOL, axis=(-2, -1), what="checkpoint at 32")
+
+
+@pytest.mark.parametrize("tuning", [SMALL, TWO_SMALL], ids=["one-phase", "two-phase"])
+def test_checkpoints_a_sequence_does_not_reach_are_defined(tuning):
+    """Batch rows shorter than T: checkpoints past a row's length hold its final state (identity steps),
+    as the op says; packed rows past the last sequence's are zero (here a whole unfilled row)."""
+    rng = np.random.default_rng(609)
+    x = raw_inputs(rng, 2, 48)
+    lengths = jnp.asarray([48, 20], jnp.int32)
+    _, s, c = run_prefill(x, lengths=lengths, checkpoint=16, tuning=tuning)
+    args = [jnp.asarray(a, dt) for a, dt in zip(x[:6], [jnp.bfloat16] * 3 + [jnp.float32] * 3)]
+    _, _, c_op = prefill_op(*args, a_log=jnp.asarray(x[6], jnp.float32), lower_bound=LB, qk_norm=True,
+                            lengths=lengths, checkpoint=16)
+    assert np.isfinite(np.asarray(c)).all()
+    assert_close(c, c_op, BF16_RTOL, axis=(-2, -1), what="batch checkpoints vs op")
+    np.testing.assert_array_equal(np.asarray(c[1, 1:]), np.broadcast_to(np.asarray(s[1]), c[1, 1:].shape))
+    lens = [24, 24]  # 48 tokens give 3 checkpoint rows; each sequence reaches 1: row 2 is unfilled
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    x = raw_inputs(rng, 1, 48, n_states=2)
+    _, _, c = run_prefill(x, cu_seqlens=cu, checkpoint=16, tuning=tuning)
+    assert c.shape == (3, H, D, D)
+    np.testing.assert_array_equal(np.asarray(c[2]), 0)
+    assert np.isfinite(np.asarray(c)).all()
+
+
+def test_two_phase_packed_chunks_and_limits():
+    """Packed sequences whose lengths are not multiples of the chunk, one of 0 and one of 1, with
+    non-zero states, at the -5 bound and chunk 32 (chunks never straddle sequences): the two-phase
+    variant against the pure op (fp32) on outputs and final states, and checkpoints at every chunk
+    boundary (checkpoint = chunk) against the op's. The two-phase limits: chunk 64 at the -5 bound is
+    accepted (the one-phase kernel refuses it), a chunk that is not a power of two >= 16 and phases
+    other than 1, 2 are refused."""
+    lens = [45, 0, 1, 32, 19]
+    cp = 32
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    rng = np.random.default_rng(608)
+    x = raw_inputs(rng, 1, int(cu[-1]), "bound", n_states=len(lens))
+    cu_j = jnp.asarray(cu, jnp.int32)
+    o, s, c = run_prefill(x, cu_seqlens=cu_j, checkpoint=cp, tuning=TWO)
+    args = [jnp.asarray(a, dt) for a, dt in zip(x[:6], [jnp.bfloat16] * 3 + [jnp.float32] * 3)]
+    o_op, s_op, c_op = jax.jit(lambda *a: prefill_op(*a, a_log=jnp.asarray(x[6], jnp.float32), lower_bound=LB,
+                                                     qk_norm=True, cu_seqlens=cu_j, checkpoint=cp))(*args)
+    assert o.shape == o_op.shape and s.shape == s_op.shape and c.shape == c_op.shape
+    assert_close(o, o_op, BF16_RTOL, axis=(1, 3), what="two-phase packed outputs vs op")
+    for n in range(len(lens)):
+        assert_close(s[n], s_op[n], BF16_RTOL, axis=(-2, -1), what=f"two-phase packed state {n} vs op")
+    n_cp = sum(n // cp for n in lens)
+    assert_close(c[:n_cp], c_op[:n_cp], BF16_RTOL, axis=(-2, -1), what="two-phase checkpoints vs op")
+    np.testing.assert_array_equal(np.asarray(c[n_cp:]), 0)
+    k = impl_mod.kernel("kda_prefill")
+    kw = dict(a_log=jnp.zeros((H,)), lower_bound=LB)
+    k.supports(*args, tuning=dict(phases=2, chunk=64), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="overflow"):
+        k.supports(*args, tuning=dict(chunk=64), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="power of two"):
+        k.supports(*args, tuning=dict(phases=2, chunk=48), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="phases"):
+        k.supports(*args, tuning=dict(phases=3), **kw)
 
 
 # ---------------------------------------------------------------------------------------------- decode

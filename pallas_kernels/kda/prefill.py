@@ -14,6 +14,10 @@ Sequences: cu [N+1] token offsets into the flattened [B*T] rows (batch form: cu 
 positions at or past `ends[n]` are identity steps (the `lengths` of the batch form). Everything the op
 `kimik3_jax.ops.kda.kda_prefill` takes is supported except float64 and head dims that are not powers of
 two >= 16; `supports` says why it refuses.
+
+`tuning=dict(phases=2)` selects the two-phase variant (pallas_kernels/kda/prefill_two_phase.py): the
+state-independent per-chunk work in a kernel parallel over (chunk, head), then a serial kernel with only
+the three state products per chunk. This one-phase kernel (phases=1) stays the default.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.impl import Unsupported, register
 from kimik3_jax.ops.kda import L2_EPS
+from pallas_kernels.kda import prefill_two_phase as two_phase
 from pallas_kernels.kda.common import (
     cdiv,
     compiler_params,
@@ -39,6 +44,8 @@ from pallas_kernels.kda.common import (
 # chunk 32 keeps the anchored factors within e^80 at the -5 gate bound; the value tile trades the
 # duplicated per-chunk work (A, M, X, w are recomputed per value tile) against parallelism.
 TUNING = dict(chunk=32, block_v=128, num_warps=8, num_stages=2)  # best of the sweep in docs/benchmarks.md
+# phases=2: the two-phase variant; chunk, block_v, num_warps, num_stages then apply to its serial phase 2
+# and phase1_warps, phase1_stages to its parallel phase 1; u0_bf16 stores its u0 workspace in bf16.
 MAX_ANCHOR_EXPONENT = 80.0  # e^80 = 5.5e34 < bf16/fp32 max 3.4e38, with room for |q|, |k| <= 1
 
 
@@ -100,8 +107,9 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
         s = s * jnp.exp(g_end).T + dot_tn(k_tail, u16)
         if cp_every:
             done = j + 1
-            full = (done % cp_every == 0) & (done * chunk <= eos - bos)
-            row = jnp.minimum(cpo_ref[n] + done // cp_every - 1, cp_ref[0].shape[0] - 1)
+            every = jnp.int32(cp_every)  # lax.rem / lax.div: `%` and `//` fail Triton lowering on jax 0.10.2
+            full = (jax.lax.rem(done, every) == 0) & (done * chunk <= eos - bos)
+            row = jnp.minimum(cpo_ref[n] + jax.lax.div(done, every) - 1, cp_ref[0].shape[0] - 1)
             plt.store(cp_ref[0].at[row, h, :, vt], s.astype(cp_ref[0].dtype),
                       mask=jnp.broadcast_to(full, s.shape))
         return s
@@ -112,7 +120,7 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
 
 
 def _tuning(tuning):
-    t = dict(TUNING)
+    t = dict(TUNING, phases=1, **two_phase.PHASE1_DEFAULTS)
     t.update(tuning or {})
     return t
 
@@ -135,7 +143,11 @@ def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=Fals
         raise Unsupported(f"kda_prefill kernel: packed sequences need batch 1, got q {q.shape}")
     if a_log is not None and lower_bound is None:
         raise Unsupported("kda_prefill kernel: a_log given without lower_bound")
-    if lower_bound is not None and t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
+    if t["phases"] not in (1, 2):
+        raise Unsupported(f"kda_prefill kernel: phases = {t['phases']} is not 1 or 2")
+    if t["phases"] == 2:
+        two_phase.check(t["chunk"], lower_bound, Unsupported)
+    elif lower_bound is not None and t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
         raise Unsupported(f"kda_prefill kernel: gate bound {lower_bound} with chunk {t['chunk']} could overflow")
 
 
@@ -174,15 +186,23 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
                  jax.ShapeDtypeStruct((nseq, nh, dk, dv), jnp.float32)]
     if n_cp:
         out_shape.append(jax.ShapeDtypeStruct((n_cp, nh, dk, dv), jnp.float32))
-    kernel = functools.partial(
-        _prefill_kernel, heads=nh, chunk=chunk, block_v=block_v,
-        lower_bound=float(lower_bound) if lower_bound is not None else 0.0, gate=a_log is not None,
-        qk_norm=qk_norm, cp_every=cp_every)
-    outs = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(nseq * nh, dv // block_v),
-        interpret=resolve_interpret(interpret), name="kda_prefill",
-        compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
-    )(cu, ends, cpo, a_log_arr, flat(q), flat(k), flat(v), flat(g), flat(beta), s0.astype(jnp.float32))
+    lb = float(lower_bound) if lower_bound is not None else 0.0
+    if t["phases"] == 2:
+        # sequence-local chunks: at most ceil(T / C) per batch row, or floor(total / C) + one per sequence
+        n_chunks = b * cdiv(tt, chunk) if cu_seqlens is None else (b * tt) // chunk + nseq
+        outs = two_phase.run(
+            cu, ends, cpo, a_log_arr, flat(q), flat(k), flat(v), flat(g), flat(beta), s0.astype(jnp.float32),
+            out_shape=out_shape, heads=nh, chunk=chunk, block_v=block_v, lower_bound=lb, gate=a_log is not None,
+            qk_norm=qk_norm, cp_every=cp_every, n_chunks=n_chunks, interpret=resolve_interpret(interpret), tuning=t)
+    else:
+        kernel = functools.partial(
+            _prefill_kernel, heads=nh, chunk=chunk, block_v=block_v, lower_bound=lb, gate=a_log is not None,
+            qk_norm=qk_norm, cp_every=cp_every)
+        outs = pl.pallas_call(
+            kernel, out_shape=out_shape, grid=(nseq * nh, dv // block_v),
+            interpret=resolve_interpret(interpret), name="kda_prefill",
+            compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
+        )(cu, ends, cpo, a_log_arr, flat(q), flat(k), flat(v), flat(g), flat(beta), s0.astype(jnp.float32))
     o = outs[0].reshape(b, tt, nh, dv)
     if not checkpoint:
         return o, outs[1]
@@ -190,6 +210,13 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
         cps = outs[2]
     else:
         cps = jnp.zeros((0, nh, dk, dv), jnp.float32)
+    # The kernels write the checkpoints a sequence reaches; the rest are defined here as the op defines
+    # them: past a batch row's length its state stays the final one; packed rows past the last are zero.
+    reached = (ends - cu[:-1]) // checkpoint
     if cu_seqlens is None:
         cps = cps.reshape(b, tt // checkpoint, nh, dk, dv)
+        past = jnp.arange(tt // checkpoint)[None, :] >= reached[:, None]
+        cps = jnp.where(past[:, :, None, None, None], outs[1][:, None], cps)
+    else:
+        cps = jnp.where((jnp.arange(cps.shape[0]) >= jnp.sum(reached))[:, None, None, None], 0.0, cps)
     return o, outs[1], cps

@@ -1,7 +1,8 @@
 """The KDA kernels compiled for the GPU (Triton) at the benchmark shapes, against the plain-JAX chunked
 scan in fp32 on the same bf16-rounded inputs: outputs and final states at bf16 level; packed sequences of
 unequal lengths with their chunk-boundary checkpoints; the fused decode step on a slot pool (whole V per
-program and split over value tiles of 32 and 64)."""
+program and split over value tiles of 32 and 64). The prefill tests run the default one-phase kernel and
+the two-phase variant (tuning phases=2) at chunk 32 and 64."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,21 +34,28 @@ def inputs(b, t, h, seed=0, gate="random"):
 
 
 GATE = dict(lower_bound=-5.0, qk_norm=True)
+# None: the default one-phase kernel; then the two-phase variant (parallel per-chunk kernel + serial state
+# kernel) at chunk 32 whole V, and at chunk 64 with two value tiles
+PREFILL_TUNINGS = [None, dict(phases=2), dict(phases=2, chunk=64, block_v=64, num_warps=4)]
+TUNING_IDS = ["one-phase", "two-phase-c32", "two-phase-c64-bv64"]
 
 
+@pytest.mark.parametrize("tuning", PREFILL_TUNINGS, ids=TUNING_IDS)
 @pytest.mark.parametrize("b,t,h,gate", [(1, 8192, 96, "random"), (16, 4096, 12, "random"), (8, 2048, 12, "bound"),
                                         (2, 1000, 4, "random"), (3, 1, 4, "random")])
-def test_prefill_matches_chunked_scan(b, t, h, gate):
+def test_prefill_matches_chunked_scan(b, t, h, gate, tuning):
     q, k, v, z, beta, s0 = inputs(b, t, h, gate=gate)
     a_log = jnp.linspace(-1, 1, h, dtype=jnp.float32)
-    o, s = jax.jit(lambda *x: kda_prefill(*x, a_log=a_log, out_dtype=jnp.bfloat16, **GATE))(q, k, v, z, beta, s0)
+    o, s = jax.jit(lambda *x: kda_prefill(*x, a_log=a_log, out_dtype=jnp.bfloat16, tuning=tuning, **GATE))(
+        q, k, v, z, beta, s0)
     ro, rs = jax.jit(lambda *x: prefill_ref(*x, a_log=a_log, **GATE))(q, k, v, z, beta, s0)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     assert rel(o, ro) < BF16_LEVEL, rel(o, ro)
     assert rel(s, rs) < BF16_LEVEL, rel(s, rs)
 
 
-def test_packed_sequences_and_checkpoints():
+@pytest.mark.parametrize("tuning", PREFILL_TUNINGS, ids=TUNING_IDS)
+def test_packed_sequences_and_checkpoints(tuning):
     lens = [700, 1, 2048, 333, 64]
     h, cp = 8, 64
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
@@ -56,7 +64,7 @@ def test_packed_sequences_and_checkpoints():
     s0 = 0.1 * jax.random.normal(jax.random.key(9), (len(lens), h, D, D), jnp.float32)
     a_log = jnp.zeros((h,), jnp.float32)
     kw = dict(a_log=a_log, cu_seqlens=cu, checkpoint=cp, **GATE)
-    o, s, c = jax.jit(lambda *x: kda_prefill(*x, **kw))(q, k, v, z, beta, s0)
+    o, s, c = jax.jit(lambda *x: kda_prefill(*x, tuning=tuning, **kw))(q, k, v, z, beta, s0)
     ro, rs, rc = jax.jit(lambda *x: prefill_ref(*x, **kw))(q, k, v, z, beta, s0)
     assert rel(o, ro) < BF16_LEVEL and rel(s, rs) < BF16_LEVEL
     n_cp = sum(n // cp for n in lens)

@@ -1,0 +1,226 @@
+"""Two-phase Pallas (Triton-style) chunked KDA prefill, selected by `tuning=dict(phases=2)` of
+`pallas_kernels.kda.prefill.kda_prefill` (same op, same arguments; the one-phase kernel stays the default).
+
+Phase 1, one program per (chunk, head), all in parallel: everything that does not depend on the state.
+Per chunk of C tokens (G_t = cumulative log decay from the chunk start, per key channel):
+    A[t, i] = beta_t sum_c k_t k_i e^(G_t - G_i), i < t        M[t, i] = sum_c q_t k_i e^(G_t - G_i), i <= t
+    X = (I + A)^-1;  w = X (beta k e^G);  u0 = X (beta v);  q_dec = q e^G;  k_tail = k e^(G_C - G);  e^(G_C)
+Phase 2, one program per (sequence, head, value tile), serial over the sequence's chunks:
+    u = u0 - w S;   o = q_dec S + M u;   S = e^(G_C) S + k_tail^T u   (checkpoints at chunk boundaries)
+
+Exponents (the sub-block scheme of `kimik3_jax.ops.kda.kda_chunked`, 16-token sub-blocks): a pair (t, i)
+with i in an earlier sub-block than t factors through the decay at the start of t's sub-block,
+e^(G_t - G_a) e^(G_a - G_i), both factors <= 1; a pair inside one sub-block factors through the decay at
+the sub-block's middle, each factor within e^(8 |g|) (e^40 at the -5 bound; the pure op uses the exact
+pairwise exponent there, which is not a matmul). Every other exponent is <= 0. So no factor overflows at
+any chunk size: chunk 64 is allowed at the -5 bound (the one-phase kernel's single anchor stops at 32).
+
+X: forward substitution (fp32, elementwise: exact fp32) inside the 16 x 16 diagonal blocks, all blocks at
+once, then the blocks are joined as in `unit_lower_inverse`: with D the block-diagonal inverse and L the
+part of A below the diagonal blocks, (I + A)^-1 = (I + D L)^-1 D, where N = D L is nilpotent of index
+C / 16, so (I + N)^-1 = (I - N)(I + N^2)... (one factor at C = 32, two at C = 64).
+
+Workspaces in HBM, [chunks, H, C, ...] (chunks never straddle sequences: sequence n's chunks are rows
+choff[n] .. choff[n] + ceil(len_n / C) - 1):
+    w, q_dec, k_tail [C, K] and M [C, C] in bf16: the one-phase kernel casts exactly these to bf16 for its
+        matmuls, so storing them in bf16 loses nothing against it;
+    u0 [C, V] in fp32: u = u0 - w S can cancel (u is the delta rule's residual, small when S predicts v
+        well), and u feeds every later state, so it is kept at the precision the one-phase kernel has
+        (tuning u0_bf16=True stores it in bf16 as fla does: a third less workspace traffic);
+    e^(G_C) [K, 1] in fp32: it multiplies the fp32 state once per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kimik3_jax.ops.kda import L2_EPS, SUB_BLOCK
+from pallas_kernels.kda.common import cdiv, compiler_params, dot_nt, dot_tn
+
+MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
+PHASE1_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, u0_bf16=False)
+
+
+def sub_block(chunk: int) -> int:
+    return min(SUB_BLOCK, chunk)
+
+
+def _row_of(x, rows, idx):
+    """Row `idx` (static or traced) of x [C, K] as [1, K], without slicing registers."""
+    return jnp.sum(jnp.where(rows == idx, x, 0.0), axis=0, keepdims=True)
+
+
+def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
+                   w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm):
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    c, h = pl.program_id(0), pl.program_id(1)
+    t0, eos, end = t0_ref[c], eos_ref[c], end_ref[c]
+    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
+    sub = sub_block(chunk)
+    nsub = chunk // sub
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+    eye = jnp.where(rows == cols, 1.0, 0.0).astype(f32)
+    inb = (t0 + rows) < eos  # rows of this chunk's sequence
+    real = (t0 + rows) < end  # rows before the identity tail
+    mk = jnp.broadcast_to(inb, (chunk, dk))
+    q = plt.load(q_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+    k = plt.load(k_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+    v = plt.load(v_ref.at[pl.ds(t0, chunk), h, :], mask=jnp.broadcast_to(inb, (chunk, dv)),
+                 other=0.0).astype(f32)
+    g = plt.load(g_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+    beta = plt.load(b_ref.at[pl.ds(t0, chunk), h], mask=inb[:, 0], other=0.0).astype(f32)[:, None]
+    if gate:
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+    if qk_norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk ** -0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
+    g = jnp.where(real, g, 0.0)
+    beta = jnp.where(real, beta, 0.0)
+
+    gc = jnp.cumsum(g, axis=0)  # G_t, inclusive; non-increasing down the chunk
+    blk_r, blk_c = rows // sub, cols // sub
+    same = blk_r == blk_c  # [C, C] pairs inside one sub-block
+    # inside a sub-block: anchor at its middle row
+    mid = sum(jnp.where(blk_r == a, _row_of(gc, rows, a * sub + sub // 2 - 1), 0.0) for a in range(nsub))
+    up, down = jnp.exp(gc - mid), jnp.exp(mid - gc)
+    k_down = (k * down).astype(bf16)
+    pkk = dot_nt((k * up).astype(bf16), k_down)
+    pqk = dot_nt((q * up).astype(bf16), k_down)
+    # across sub-blocks, row block a >= 1: anchor at the decay just before a's first row (both factors <= 1)
+    for a in range(1, nsub):
+        anchor = _row_of(gc, rows, a * sub - 1)
+        row_f = jnp.exp(jnp.where(blk_r == a, gc - anchor, -jnp.inf))  # rows t of block a
+        col_f = jnp.exp(jnp.where(rows < a * sub, anchor - gc, -jnp.inf))  # keys i before block a
+        kc = (k * col_f).astype(bf16)
+        in_a = (blk_r == a) & ~same
+        pkk = jnp.where(in_a, dot_nt((k * row_f).astype(bf16), kc), pkk)
+        pqk = jnp.where(in_a, dot_nt((q * row_f).astype(bf16), kc), pqk)
+    a_mat = jnp.where(rows > cols, pkk, 0.0) * beta
+    m = jnp.where(rows >= cols, pqk, 0.0)
+
+    # forward substitution inside the diagonal sub-blocks, all at once: row r of every block from the
+    # rows above it, X[t] = e_t - sum_{i<t} A[t, i] X[i] (the inverse stays block-diagonal)
+    a_diag = jnp.where(same, a_mat, 0.0)
+    inv = eye
+    for r in range(1, sub):
+        at_r = (rows % sub) == r
+        coef = jnp.sum(jnp.where(at_r, a_diag, 0.0), axis=0)  # [C]: A[row r of block(j), j]
+        acc = jnp.sum(coef[:, None] * inv, axis=0)  # [C]: sum_j coef_j X[j, :], each block's own columns
+        inv = jnp.where(at_r & same, eye - acc[None, :], inv)
+    if nsub > 1:  # join the blocks: (I + A)^-1 = (I + N)^-1 D, N = D L nilpotent of index nsub
+        nmat = jnp.dot(inv, jnp.where(same, 0.0, a_mat), preferred_element_type=f32)
+        x = eye - nmat
+        p = nmat
+        for _ in range(nsub.bit_length() - 2):  # (I - N)(I + N^2)(I + N^4)...
+            p = jnp.dot(p, p, preferred_element_type=f32)
+            x = x + jnp.dot(x, p, preferred_element_type=f32)
+        inv = jnp.dot(x, inv, preferred_element_type=f32)
+
+    decay = jnp.exp(gc)
+    g_end = _row_of(gc, rows, chunk - 1)  # [1, K] total log decay of the chunk
+    w_ref[c, h] = jnp.dot(inv, k * decay * beta, preferred_element_type=f32).astype(w_ref.dtype)
+    u0_ref[c, h] = jnp.dot(inv, v * beta, preferred_element_type=f32).astype(u0_ref.dtype)
+    qd_ref[c, h] = (q * decay).astype(qd_ref.dtype)
+    kt_ref[c, h] = (k * jnp.exp(g_end - gc)).astype(kt_ref.dtype)
+    m_ref[c, h] = m.astype(m_ref.dtype)
+    dec_ref[c, h] = jnp.exp(g_end).T.astype(dec_ref.dtype)
+
+
+def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, s0_ref,
+                   o_ref, sf_ref, *cp_ref, heads, chunk, block_v, cp_every):
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    pid, iv = pl.program_id(0), pl.program_id(1)
+    n, h = pid // heads, pid % heads
+    bos, eos, base = cu_ref[n], cu_ref[n + 1], choff_ref[n]
+    vt = pl.ds(iv * block_v, block_v)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+
+    def body(j, s):
+        ci = base + j
+        t0 = bos + j * chunk
+        s16 = s.astype(bf16)
+        u = u0_ref[ci, h, :, vt].astype(f32) - jnp.dot(w_ref[ci, h], s16, preferred_element_type=f32)
+        u16 = u.astype(bf16)
+        o = jnp.dot(qd_ref[ci, h], s16, preferred_element_type=f32) + \
+            jnp.dot(m_ref[ci, h], u16, preferred_element_type=f32)
+        plt.store(o_ref.at[pl.ds(t0, chunk), h, vt], o.astype(o_ref.dtype),
+                  mask=jnp.broadcast_to((t0 + rows) < eos, (chunk, block_v)))
+        s = s * dec_ref[ci, h] + dot_tn(kt_ref[ci, h], u16)
+        if cp_every:
+            done = j + 1  # lax.rem / lax.div (done >= 1): jnp's % and // fail the Triton lowering here
+            full = (jax.lax.rem(done, cp_every) == 0) & (done * chunk <= eos - bos)
+            row = jnp.minimum(cpo_ref[n] + jax.lax.div(done, cp_every) - 1, cp_ref[0].shape[0] - 1)
+            plt.store(cp_ref[0].at[row, h, :, vt], s.astype(cp_ref[0].dtype),
+                      mask=jnp.broadcast_to(full, s.shape))
+        return s
+
+    s = s0_ref[n, h, :, vt].astype(f32)
+    s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, s)
+    sf_ref[n, h, :, vt] = s.astype(sf_ref.dtype)
+    if cp_every:  # packed: the checkpoint rows past the last sequence's are zeros (written by its programs)
+        n_rows = cp_ref[0].shape[0]
+        first = cpo_ref[n] + jax.lax.div(eos - bos, chunk * cp_every)
+        first = jnp.where(n == cu_ref.shape[0] - 2, first, n_rows)
+
+        def zero(r, carry):
+            cp_ref[0][r, h, :, vt] = jnp.zeros((cp_ref[0].shape[2], block_v), cp_ref[0].dtype)
+            return carry
+        jax.lax.fori_loop(first, n_rows, zero, 0)
+
+
+def chunk_table(cu, ends, chunk, n_chunks):
+    """Sequence-local chunks, numbered across sequences: choff[n] = sequence n's first chunk; for each of
+    the n_chunks (a static upper bound) its first token, its sequence's end and identity-tail start
+    (chunks past the last get t0 >= eos: every row masked)."""
+    nch = cdiv(cu[1:] - cu[:-1], chunk)
+    last = jnp.cumsum(nch)
+    choff = (last - nch).astype(jnp.int32)
+    cid = jnp.arange(n_chunks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(last, cid, side="right"), cu.shape[0] - 2)
+    t0 = (cu[seq] + (cid - choff[seq]) * chunk).astype(jnp.int32)
+    return choff, t0, cu[seq + 1].astype(jnp.int32), ends[seq].astype(jnp.int32)
+
+
+def workspace_bytes(n_chunks, heads, chunk, dk, dv, u0_bf16=False):
+    """HBM bytes phase 1 writes (phase 2 reads them once, and all but u0 once per value tile)."""
+    per = chunk * (3 * dk * 2 + chunk * 2 + dv * (2 if u0_bf16 else 4)) + dk * 4
+    return n_chunks * heads * per
+
+
+def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chunk, block_v, lower_bound,
+        gate, qk_norm, cp_every, n_chunks, interpret, tuning):
+    """Both phases on the flattened [rows, H, ...] inputs; returns what the one-phase pallas_call does."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    choff, t0, eos, end = chunk_table(cu, ends, chunk, n_chunks)
+    ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
+    work = pl.pallas_call(
+        functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm),
+        out_shape=[ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, dv, dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
+                   ws(chunk, dk, dt=jnp.bfloat16),
+                   ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, chunk, dt=jnp.bfloat16), ws(dk, 1, dt=jnp.float32)],
+        grid=(n_chunks, heads), interpret=interpret, name="kda_prefill_phase1",
+        compiler_params=compiler_params(tuning["phase1_warps"], tuning["phase1_stages"]),
+    )(t0, eos, end, a_log_arr, q, k, v, g, beta)
+    nseq = cu.shape[0] - 1
+    return pl.pallas_call(
+        functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every),
+        out_shape=out_shape, grid=(nseq * heads, dv // block_v), interpret=interpret,
+        name="kda_prefill_phase2",
+        compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
+    )(cu, choff, cpo, *work, s0)
+
+
+def check(chunk, lower_bound, unsupported):
+    """The two-phase variant's own limits (raises `unsupported(msg)`)."""
+    if chunk < 16 or chunk & (chunk - 1):
+        raise unsupported(f"kda_prefill two-phase kernel: chunk = {chunk} is not a power of two >= 16")
+    if lower_bound is not None and sub_block(chunk) // 2 * abs(lower_bound) > MAX_INTRA_EXPONENT:
+        raise unsupported(f"kda_prefill two-phase kernel: gate bound {lower_bound} could overflow")
+
+
