@@ -30,3 +30,12 @@ def dot_nt(a, b):
 def dot_tn(a, b):
     """a [K, M]^T . b [K, N] -> [M, N] fp32."""
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int, chunk: int, span):
+    """After chunk `done` (1-based) of sequence n, store the state tile s at that sequence's checkpoint
+    row when `done` is a multiple of `every` chunks inside its `span` tokens (lax.rem / lax.div: jnp's
+    `%` and `//` fail the Triton lowering on jax 0.10.2)."""
+    full = (jax.lax.rem(done, jnp.int32(every)) == 0) & (done * chunk <= span)
+    row = jnp.minimum(cpo_ref[n] + jax.lax.div(done, jnp.int32(every)) - 1, cp_ref.shape[0] - 1)
+    plt.store(cp_ref.at[row, h, :, vt], s.astype(cp_ref.dtype), mask=jnp.broadcast_to(full, s.shape))

@@ -33,6 +33,22 @@ from pallas_kernels.kda.common import compiler_params, resolve_interpret
 TUNING = dict(num_warps=8, num_stages=1, block_v=None)  # block_v None: whole V per program
 
 
+def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
+    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head);
+    an inactive row gets g = 0 and beta = 0 (its state stays as it is)."""
+    f32 = jnp.float32
+    dk = q.shape[0]
+    if qk_norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    g = g_ref[n, h, :].astype(f32)
+    if gate:
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+    g = jnp.where(active, g, 0.0)
+    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+    return q, k, g, beta
+
+
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
                    nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps):
     f32 = jnp.float32
@@ -56,14 +72,7 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
         for r in range(width - 1):  # the tail moves by one token (an inactive row keeps its tail)
             tails_out[n, j, r, cs] = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
     q, k, v = ys
-    if qk_norm:
-        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-    g = g_ref[n, h, :].astype(f32)
-    if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
-    g = jnp.where(active, g, 0.0)
-    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+    q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
     s = s_ref[slot, h, :, :].astype(f32) * jnp.exp(g)[:, None]  # decay first
     pred = jnp.sum(s * k[:, None], axis=0)
     s = s + k[:, None] * (beta * (v - pred))[None, :]
@@ -112,14 +121,7 @@ def _decode_split_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
             plt.store(tails_out.at[n, jnp.int32(j), jnp.int32(r), cs], new, mask=write_tails)
     q, k = ys
     v, _ = conv(2, vs, bv)
-    if qk_norm:
-        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-    g = g_ref[n, h, :].astype(f32)
-    if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
-    g = jnp.where(active, g, 0.0)
-    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+    q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
     cols = pl.ds(t * bv, bv)
     s = s_ref[slot, h, :, cols].astype(f32) * jnp.exp(g)[:, None]  # decay first
     pred = jnp.sum(s * k[:, None], axis=0)

@@ -39,6 +39,7 @@ from pallas_kernels.kda.common import (
     dot_nt,
     dot_tn,
     resolve_interpret,
+    store_checkpoint,
 )
 
 # chunk 32 keeps the anchored factors within e^80 at the -5 gate bound; the value tile trades the
@@ -106,12 +107,8 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
         k_tail = (k * jnp.exp(g_end - gc)).astype(bf16)
         s = s * jnp.exp(g_end).T + dot_tn(k_tail, u16)
         if cp_every:
-            done = j + 1
-            every = jnp.int32(cp_every)  # lax.rem / lax.div: `%` and `//` fail Triton lowering on jax 0.10.2
-            full = (jax.lax.rem(done, every) == 0) & (done * chunk <= eos - bos)
-            row = jnp.minimum(cpo_ref[n] + jax.lax.div(done, every) - 1, cp_ref[0].shape[0] - 1)
-            plt.store(cp_ref[0].at[row, h, :, vt], s.astype(cp_ref[0].dtype),
-                      mask=jnp.broadcast_to(full, s.shape))
+            store_checkpoint(cp_ref[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, chunk=chunk,
+                             span=eos - bos)
         return s
 
     s = s0_ref[n, h, :, vt].astype(f32)

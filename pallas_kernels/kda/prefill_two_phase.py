@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import L2_EPS, SUB_BLOCK
-from pallas_kernels.kda.common import cdiv, compiler_params, dot_nt, dot_tn
+from pallas_kernels.kda.common import cdiv, compiler_params, dot_nt, dot_tn, store_checkpoint
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
 PHASE1_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, u0_bf16=False)
@@ -153,11 +153,8 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_
                   mask=jnp.broadcast_to((t0 + rows) < eos, (chunk, block_v)))
         s = s * dec_ref[ci, h] + dot_tn(kt_ref[ci, h], u16)
         if cp_every:
-            done = j + 1  # lax.rem / lax.div (done >= 1): jnp's % and // fail the Triton lowering here
-            full = (jax.lax.rem(done, cp_every) == 0) & (done * chunk <= eos - bos)
-            row = jnp.minimum(cpo_ref[n] + jax.lax.div(done, cp_every) - 1, cp_ref[0].shape[0] - 1)
-            plt.store(cp_ref[0].at[row, h, :, vt], s.astype(cp_ref[0].dtype),
-                      mask=jnp.broadcast_to(full, s.shape))
+            store_checkpoint(cp_ref[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, chunk=chunk,
+                             span=eos - bos)
         return s
 
     s = s0_ref[n, h, :, vt].astype(f32)
