@@ -293,17 +293,21 @@ def test_switch_falls_back_and_refuses():
                                                         jnp.zeros((1, H, 24, 24))]
     with pytest.raises(impl_mod.Unsupported, match="power of two"):
         k.supports(*x)
+    # a float32 model keeps fp32 math: the prefill kernel's matmuls take bf16 operands, so it refuses
+    x = [jnp.zeros((1, 3, H, D), jnp.float32)] * 4 + [jnp.zeros((1, 3, H)), jnp.zeros((1, H, D, D))]
+    with pytest.raises(impl_mod.Unsupported, match="q is float32; its matmuls take bfloat16"):
+        k.supports(*x)
 
 
 def test_model_selects_the_kernels_with_the_ops_arguments(tiny_ckpt, monkeypatch):
-    """The tiny model (float32) run with its KDA ops through the kernels (interpret mode): every call the
-    layer makes, prefill with right padding and decode steps, gives the kernel's result and the pure
+    """The tiny model (bfloat16, as released) run with its KDA ops through the kernels (interpret mode):
+    every call the layer makes, prefill with right padding and decode steps, gives the kernel's result and the pure
     op's at bf16 level on outputs and states (conv tails exactly). Whole-model logits are not compared:
     bf16-level differences flip the tiny model's MoE routing. Only the KDA ops are switched (other ops'
     kernels have their own dtype rules): in the run with impl="auto" (CPU: every op falls back) the
     layer's KDA dispatch calls both."""
     from kimik3_jax.checkpoint.open import load_checkpoint
-    from kimik3_jax.model import cast_params, decode_step, init_state, layers, prefill
+    from kimik3_jax.model import decode_step, init_state, layers, prefill
 
     errors = []
 
@@ -316,11 +320,10 @@ def test_model_selects_the_kernels_with_the_ops_arguments(tiny_ckpt, monkeypatch
         return got
     monkeypatch.setattr(layers, "dispatch", both)
     cfg, params = load_checkpoint(tiny_ckpt)
-    params = cast_params(params, jnp.float32)
     cfg = cfg.with_runtime(impl="auto")
     b, t = 2, 20
     tokens = np.random.default_rng(606).integers(0, cfg.vocab_size, size=(b, t)).astype(np.int32)
-    state = init_state(cfg, b, 32, jnp.float32)
+    state = init_state(cfg, b, 32, jnp.bfloat16)
     _, state = jax.jit(prefill, static_argnums=1)(params, cfg, tokens, np.array([20, 13], np.int32), state)
     for j in range(2):
         _, state = jax.jit(decode_step, static_argnums=1)(params, cfg, state, tokens[:, j])

@@ -128,6 +128,10 @@ def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=Fals
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("s0", s0)):
         if jnp.dtype(x.dtype) == jnp.float64:
             raise Unsupported(f"kda_prefill kernel: {name} is float64 (the kernel computes in fp32)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.dtype(x.dtype) != jnp.bfloat16:  # a float32 model keeps fp32 math through the XLA op
+            raise Unsupported(f"kda_prefill kernel: {name} is {jnp.dtype(x.dtype)}; its matmuls take bfloat16 "
+                              "operands, so it serves bfloat16 q, k, v only")
     dk, dv = q.shape[-1], v.shape[-1]
     for name, d in (("K", dk), ("V", dv)):
         if d < 16 or d & (d - 1):
