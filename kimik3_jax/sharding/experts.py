@@ -15,20 +15,13 @@ sized for the worst case moves E times the tokens; with tokens already replicate
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from kimik3_jax.params import DenseExpertParams, map_leaves
 from kimik3_jax.params.tree import describe_text, dense_experts
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-    sm = jax.shard_map
-    check = "check_vma" if "check_vma" in inspect.signature(sm).parameters else "check_rep"
-    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: False})
+from kimik3_jax.sharding.plan import shard_map
 
 
 def expert_specs(plan, cfg, experts):
@@ -57,5 +50,5 @@ def expert_parallel(cfg, routed, xl, idx, weights, experts):
         y = routed(xl, jnp.where(mine, idx - first, n_local), jnp.where(mine, weights, 0), experts)
         return jax.lax.psum(y, e_axes + f_axes)
 
-    fn = _shard_map(local, plan.mesh, (rows, rows, rows, expert_specs(plan, cfg, experts)), rows)
+    fn = shard_map(local, plan.mesh, (rows, rows, rows, expert_specs(plan, cfg, experts)), rows)
     return fn(xl, idx, weights, experts)

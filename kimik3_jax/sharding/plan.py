@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -105,3 +106,29 @@ def constrain(x: jax.Array, cfg, axes: tuple[str | None, ...], what: str = "acti
     plan = cfg.runtime.sharding
     return x if plan is None else plan.constrain(x, axes, what)
 
+
+
+def shard_map(f, mesh, in_specs, out_specs):
+    """`jax.shard_map` without the replication check (its keyword differs across jax versions)."""
+    sm = jax.shard_map
+    check = "check_vma" if "check_vma" in inspect.signature(sm).parameters else "check_rep"
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: False})
+
+
+def local_call(cfg, fn, args: tuple, in_axes: tuple, out_axes, what: str):
+    """`fn(*args)` on each device's shard under the config's plan (shard_map with the specs of the
+    arguments' and results' logical axes), so a kernel sees, and XLA keeps, only the local heads and
+    sequences; a plain call without a plan or when the plan splits none of these axes. `fn` must be
+    correct on any shard of its arguments (per-head, per-sequence work)."""
+    plan = cfg.runtime.sharding
+    if plan is None:
+        return fn(*args)
+    outs = jax.eval_shape(fn, *args)
+    spec = lambda ax, a, i: plan.spec(ax, a.shape, f"{what} {i}")  # noqa: E731
+    in_specs = tuple(spec(ax, a, f"argument {i}") for i, (ax, a) in enumerate(zip(in_axes, args)))
+    out_specs = jax.tree_util.tree_map(lambda ax, a: spec(ax, a, "result"), out_axes, outs,
+                                       is_leaf=lambda x: isinstance(x, tuple) and _is_axes(x))
+    if all(all(e is None for e in sp) for sp in jax.tree_util.tree_leaves(
+            (in_specs, out_specs), is_leaf=lambda x: isinstance(x, PartitionSpec))):
+        return fn(*args)
+    return shard_map(fn, plan.mesh, in_specs, out_specs)(*args)
