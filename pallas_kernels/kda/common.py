@@ -1,11 +1,13 @@
 """Helpers shared by the KDA kernels: interpret-mode choice, Triton compiler parameters across jax
-versions, and the two transposed matmuls (as dot_generals, which the Triton lowering turns into
-tt.trans + tt.dot)."""
+versions, the two transposed matmuls (as dot_generals, which the Triton lowering turns into
+tt.trans + tt.dot), and the pieces both prefill kernels run per chunk (the serial state step, the
+checkpoint store)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 
@@ -39,3 +41,17 @@ def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int, chunk: i
     full = (jax.lax.rem(done, jnp.int32(every)) == 0) & (done * chunk <= span)
     row = jnp.minimum(cpo_ref[n] + jax.lax.div(done, jnp.int32(every)) - 1, cp_ref.shape[0] - 1)
     plt.store(cp_ref.at[row, h, :, vt], s.astype(cp_ref.dtype), mask=jnp.broadcast_to(full, s.shape))
+
+
+def chunk_state_step(s, u0, w, q_dec, m, k_tail, decay_end, o_ref, *, t0, h, vt, rows_in):
+    """The serial part of one chunk (both prefill kernels): u = u0 - w S, o = q_dec S + M u (stored for the
+    chunk's rows that belong to the sequence), then S' = e^(G_C) S + k_tail^T u. w, q_dec, m, k_tail are
+    bf16 (the MMA operands), S and u fp32 and rounded to bf16 for the products; returns S'."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    chunk, block_v = u0.shape
+    s16 = s.astype(bf16)
+    u16 = (u0 - jnp.dot(w, s16, preferred_element_type=f32)).astype(bf16)
+    o = jnp.dot(q_dec, s16, preferred_element_type=f32) + jnp.dot(m, u16, preferred_element_type=f32)
+    plt.store(o_ref.at[pl.ds(t0, chunk), h, vt], o.astype(o_ref.dtype),
+              mask=jnp.broadcast_to(rows_in, (chunk, block_v)))
+    return s * decay_end + dot_tn(k_tail, u16)

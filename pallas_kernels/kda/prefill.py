@@ -35,9 +35,9 @@ from kimik3_jax.ops.kda import L2_EPS
 from pallas_kernels.kda import prefill_two_phase as two_phase
 from pallas_kernels.kda.common import (
     cdiv,
+    chunk_state_step,
     compiler_params,
     dot_nt,
-    dot_tn,
     resolve_interpret,
     store_checkpoint,
 )
@@ -96,16 +96,10 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
             x = x + jnp.dot(x, p, preferred_element_type=f32)
         decay = jnp.exp(gc)
         w = jnp.dot(x, k * decay * beta, preferred_element_type=f32)
-        u = jnp.dot(x, v * beta, preferred_element_type=f32)
-        s16 = s.astype(bf16)
-        u = u - jnp.dot(w.astype(bf16), s16, preferred_element_type=f32)
-        u16 = u.astype(bf16)
-        o = jnp.dot((q * decay).astype(bf16), s16, preferred_element_type=f32) + \
-            jnp.dot(m.astype(bf16), u16, preferred_element_type=f32)
-        plt.store(o_ref.at[pl.ds(t0, chunk), h, vt], o.astype(o_ref.dtype),
-                  mask=jnp.broadcast_to(inb, (chunk, block_v)))
-        k_tail = (k * jnp.exp(g_end - gc)).astype(bf16)
-        s = s * jnp.exp(g_end).T + dot_tn(k_tail, u16)
+        u0 = jnp.dot(x, v * beta, preferred_element_type=f32)
+        s = chunk_state_step(s, u0, w.astype(bf16), (q * decay).astype(bf16), m.astype(bf16),
+                             (k * jnp.exp(g_end - gc)).astype(bf16), jnp.exp(g_end).T, o_ref, t0=t0, h=h, vt=vt,
+                             rows_in=inb)
         if cp_every:
             store_checkpoint(cp_ref[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, chunk=chunk,
                              span=eos - bos)

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import L2_EPS, SUB_BLOCK
-from pallas_kernels.kda.common import cdiv, compiler_params, dot_nt, dot_tn, store_checkpoint
+from pallas_kernels.kda.common import cdiv, chunk_state_step, compiler_params, dot_nt, store_checkpoint
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
 PHASE1_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, u0_bf16=False)
@@ -134,7 +134,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
 
 def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, s0_ref,
                    o_ref, sf_ref, *cp_ref, heads, chunk, block_v, cp_every):
-    f32, bf16 = jnp.float32, jnp.bfloat16
+    f32 = jnp.float32
     pid, iv = pl.program_id(0), pl.program_id(1)
     n, h = pid // heads, pid % heads
     bos, eos, base = cu_ref[n], cu_ref[n + 1], choff_ref[n]
@@ -144,14 +144,8 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_
     def body(j, s):
         ci = base + j
         t0 = bos + j * chunk
-        s16 = s.astype(bf16)
-        u = u0_ref[ci, h, :, vt].astype(f32) - jnp.dot(w_ref[ci, h], s16, preferred_element_type=f32)
-        u16 = u.astype(bf16)
-        o = jnp.dot(qd_ref[ci, h], s16, preferred_element_type=f32) + \
-            jnp.dot(m_ref[ci, h], u16, preferred_element_type=f32)
-        plt.store(o_ref.at[pl.ds(t0, chunk), h, vt], o.astype(o_ref.dtype),
-                  mask=jnp.broadcast_to((t0 + rows) < eos, (chunk, block_v)))
-        s = s * dec_ref[ci, h] + dot_tn(kt_ref[ci, h], u16)
+        s = chunk_state_step(s, u0_ref[ci, h, :, vt].astype(f32), w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h],
+                             kt_ref[ci, h], dec_ref[ci, h], o_ref, t0=t0, h=h, vt=vt, rows_in=(t0 + rows) < eos)
         if cp_every:
             store_checkpoint(cp_ref[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, chunk=chunk,
                              span=eos - bos)
@@ -160,15 +154,6 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_
     s = s0_ref[n, h, :, vt].astype(f32)
     s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, s)
     sf_ref[n, h, :, vt] = s.astype(sf_ref.dtype)
-    if cp_every:  # packed: the checkpoint rows past the last sequence's are zeros (written by its programs)
-        n_rows = cp_ref[0].shape[0]
-        first = cpo_ref[n] + jax.lax.div(eos - bos, chunk * cp_every)
-        first = jnp.where(n == cu_ref.shape[0] - 2, first, n_rows)
-
-        def zero(r, carry):
-            cp_ref[0][r, h, :, vt] = jnp.zeros((cp_ref[0].shape[2], block_v), cp_ref[0].dtype)
-            return carry
-        jax.lax.fori_loop(first, n_rows, zero, 0)
 
 
 def chunk_table(cu, ends, chunk, n_chunks):
