@@ -226,6 +226,12 @@ def measure_kernels(ex, n, cfg, decode="exact"):
             "whole_s": timeit(whole, xl, idx, w, ex)}
 
 
+def record_check(tokens, vs, got, want):
+    err, finite = rel_err(got, want)
+    RESULTS["checks"].append({"tokens": tokens, "vs": vs, "max_rel_err": err, "finite": finite})
+    log("check vs", vs, tokens, err, finite)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,512,4096,16384")
@@ -345,10 +351,7 @@ def main():
             if n <= 16:  # needs no dense weights: runs even when the einsum does not
                 want = jax.jit(lambda a, b, c, e: routed_experts(a, b, c, e, BETA, LINEAR_BETA, "gathered"))(
                     xl, idx, w, ex)
-                err, finite = rel_err(got, want)
-                RESULTS["checks"].append({"tokens": n, "vs": "routed_experts gathered", "max_rel_err": err,
-                                          "finite": finite})
-                log("check vs pure op", n, err, finite)
+                record_check(n, "routed_experts gathered", got, want)
                 del want
         except Exception as exc:  # noqa: BLE001
             row["check_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -357,10 +360,7 @@ def main():
             row["einsum_s"] = timeit(ein, xl, idx, w, *dense)
             want = ein(xl, idx, w, *dense)
             if got is not None:
-                err, finite = rel_err(got, want)
-                RESULTS["checks"].append({"tokens": n, "vs": "capacity einsum", "max_rel_err": err,
-                                          "finite": finite})
-                log("check vs einsum", n, err, finite)
+                record_check(n, "capacity einsum", got, want)
             del want
         except Exception as exc:  # noqa: BLE001
             row["einsum_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

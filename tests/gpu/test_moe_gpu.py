@@ -12,8 +12,6 @@ from jax.experimental import pallas as pl
 
 from kimik3_jax import mxfp4
 from kimik3_jax.ops.moe import latent_moe
-from kimik3_jax.params import init_params
-from kimik3_jax.presets import preset
 from pallas_kernels.moe import decode as dec
 from pallas_kernels.moe import routed as kern
 
@@ -76,11 +74,7 @@ def test_compiled_scale_bytes_and_skipped_pairs():
 
 
 def test_compiled_latent_moe_through_the_switch():
-    cfg = preset("tiny")
-    layer = jax.tree_util.tree_map(lambda a: a[0], init_params(cfg, 3, text_only=True).text.moe)
-    layer = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, layer)
-    layer = layer.replace(router_bias=layer.router_bias.astype(jnp.float32))
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 9, cfg.hidden_size)), jnp.bfloat16)
+    cfg, layer, x = cpu.bf16_moe_layer()
     ref = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl="xla")), np.float32)
     for impl in ("pallas", "auto"):
         got = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl=impl)), np.float32)
