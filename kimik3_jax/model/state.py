@@ -10,6 +10,7 @@ Shapes (SPEC section 9), stacked over the layers of each kind in ascending order
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -73,10 +74,20 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -
     directly in its shards when `cfg.runtime.sharding` holds a plan."""
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len = {max_len} exceeds max_position_embeddings = {cfg.max_position_embeddings}")
+    if cfg.runtime.sharding is None:
+        return _zeros(state_shapes(cfg, batch, max_len, dtype))
+    return _sharded_zeros(cfg, batch, max_len, jnp.dtype(dtype))()
+
+
+def _zeros(shapes):
+    return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_zeros(cfg: ModelConfig, batch: int, max_len: int, dtype):
+    """A compiled maker of the zero state straight into its shards (once per config, batch and length)."""
     shapes = state_shapes(cfg, batch, max_len, dtype)
-    zeros = lambda: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
-    plan = cfg.runtime.sharding
-    return zeros() if plan is None else jax.jit(zeros, out_shardings=plan.state(shapes))()
+    return jax.jit(lambda: _zeros(shapes), out_shardings=cfg.runtime.sharding.state(shapes))
 
 
 def state_bytes(cfg: ModelConfig, max_len: int = 0, dtype=jnp.bfloat16) -> dict[str, int]:
