@@ -43,7 +43,7 @@ DECODE_NS = [1, 32, 256]
 DECODE_TUNINGS = [dict(block_v=bv, num_warps=w, num_stages=1) for bv in (32, 64, 128) for w in (4, 8)]
 DK = DV = 128
 WIDTH = 4
-TUNINGS = [dict(chunk=c, block_v=bv, num_warps=w, num_stages=s)
+TUNINGS = [dict(phases=1, chunk=c, block_v=bv, num_warps=w, num_stages=s)
            for c, bv, w, s in [(32, 64, 4, 2), (32, 32, 4, 2), (32, 128, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2),
                                (32, 64, 8, 2), (16, 128, 4, 2)]]
 # two-phase: chunk, value tile, warps and stages of the serial phase 2, warps of the parallel phase 1

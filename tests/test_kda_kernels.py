@@ -9,9 +9,10 @@ q, k, v are bf16 and the kernels' matmuls run on bf16 operands (fp32 accumulatio
 outputs compare at bf16 level (BF16_RTOL = 1e-2) against float64 on the same bf16-rounded inputs.
 Kept small (K = V = 32, two heads, a few chunks) so the whole file runs in well under a minute.
 
-Every prefill test also runs the two-phase variant (tuning phases=2: a parallel per-chunk kernel, then
-the serial state kernel), at chunk 16 (one sub-block), 32 (two) and 64 (four, at the -5 bound), and
-once with its u0 workspace in bf16.
+Every prefill test runs both variants: the two-phase default (tuning phases=2: a parallel per-chunk
+kernel, then the serial state kernel) at chunk 16 (one sub-block), 32 (two) and 64 (four, at the -5
+bound), once with its u0 workspace in bf16, and the one-phase kernel (phases=1, also the default's
+fallback when its workspaces would be too large).
 """
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,9 @@ from pallas_kernels.kda.prefill import kda_prefill
 
 LB = -5.0
 H, D = 2, 32
-SMALL = dict(chunk=16, block_v=16)  # two value tiles, chunk 16
-TWO = dict(phases=2)  # the two-phase variant at the default chunk 32, whole V
+SMALL = dict(phases=1, chunk=16, block_v=16)  # one phase, two value tiles, chunk 16
+ONE = dict(phases=1, chunk=32, block_v=128, num_warps=8)  # one phase, chunk 32, whole V
+TWO = dict(phases=2, chunk=32, block_v=128)  # two phases, chunk 32, whole V
 TWO_SMALL = dict(SMALL, phases=2)
 TWO_64 = dict(phases=2, chunk=64, block_v=16)  # four sub-blocks per chunk, two value tiles
 bf16_round = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
@@ -67,8 +69,8 @@ def run_prefill(x, **kw):
                        interpret=True, **kw)
 
 
-@pytest.mark.parametrize("t,gates,tuning", [(45, "random", None), (1, "random", None), (64, "bound", SMALL),
-                                            (37, "bound", None), (50, "random", SMALL),
+@pytest.mark.parametrize("t,gates,tuning", [(45, "random", None), (1, "random", ONE), (64, "bound", SMALL),
+                                            (37, "bound", ONE), (50, "random", SMALL),
                                             (1, "random", TWO), (64, "bound", TWO_SMALL),
                                             (50, "random", dict(TWO_SMALL, u0_bf16=True)),
                                             (70, "bound", TWO_64)])
@@ -129,7 +131,7 @@ def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     assert_close(c[:row], c_op[:row], BF16_RTOL, axis=(-2, -1), what="kernel vs op checkpoints")
 
 
-@pytest.mark.parametrize("tuning", [None, TWO], ids=["one-phase", "two-phase"])
+@pytest.mark.parametrize("tuning", [ONE, TWO], ids=["one-phase", "two-phase"])
 def test_batch_checkpoints_equal_recurrence_states(tuning):
     rng = np.random.default_rng(604)
     x = raw_inputs(rng, 2, 50, "bound")
@@ -191,11 +193,28 @@ def test_two_phase_packed_chunks_and_limits():
     kw = dict(a_log=jnp.zeros((H,)), lower_bound=LB)
     k.supports(*args, tuning=dict(phases=2, chunk=64), **kw)
     with pytest.raises(impl_mod.Unsupported, match="overflow"):
-        k.supports(*args, tuning=dict(chunk=64), **kw)
+        k.supports(*args, tuning=dict(phases=1, chunk=64), **kw)
     with pytest.raises(impl_mod.Unsupported, match="power of two"):
         k.supports(*args, tuning=dict(phases=2, chunk=48), **kw)
     with pytest.raises(impl_mod.Unsupported, match="phases"):
         k.supports(*args, tuning=dict(phases=3), **kw)
+
+
+def test_default_falls_back_to_one_phase_past_the_workspace_cap(monkeypatch):
+    """The default runs two phases; when their workspaces would pass MAX_WORKSPACE_BYTES it runs the
+    one-phase kernel with the same chunk and tiles (a caller's explicit `phases` is kept), and the results
+    equal the explicit one-phase call."""
+    from pallas_kernels.kda import prefill as pp
+    x = raw_inputs(np.random.default_rng(611), 1, 40)
+    q, v = jnp.zeros((1, 40, H, D), jnp.bfloat16), jnp.zeros((1, 40, H, D), jnp.bfloat16)
+    assert pp._tuning(None, q, v)["phases"] == 2
+    monkeypatch.setattr(pp, "MAX_WORKSPACE_BYTES", 1024)
+    assert pp._tuning(None, q, v)["phases"] == 1
+    assert pp._tuning(dict(phases=2), q, v)["phases"] == 2
+    o, s = run_prefill(x)
+    o1, s1 = run_prefill(x, tuning=dict(phases=1))
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o1))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s1))
 
 
 # ---------------------------------------------------------------------------------------------- decode

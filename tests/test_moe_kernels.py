@@ -140,8 +140,8 @@ def _wide_scale_experts(rng):
                                                   (PREFILL, 24, 4, "random", True)],
                          ids=["decode-uneven-wide", "decode-one-expert", "prefill-wide"])
 def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, wide):
-    """decode="fast" against the default decode="exact": the same weights reach the same MMAs, so every
-    output bit agrees (uneven and empty groups, all tokens on one expert, scale bytes 1..254)."""
+    """decode="fast" (the default) against decode="exact": interpreted, the same weights reach the same
+    dots, so every output bit agrees (uneven and empty groups, all tokens on one expert, scale bytes 1..254)."""
     rng = np.random.default_rng([n, k, 3])
     experts = _wide_scale_experts(rng) if wide else _experts(rng)
     idx, w = _routing(rng, n, k, kind)

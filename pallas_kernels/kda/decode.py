@@ -30,7 +30,8 @@ from kimik3_jax.ops.impl import Unsupported, register
 from kimik3_jax.ops.kda import L2_EPS
 from pallas_kernels.kda.common import compiler_params, resolve_interpret
 
-TUNING = dict(num_warps=8, num_stages=1, block_v=None)  # block_v None: whole V per program
+# block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29)
+TUNING = dict(num_warps=4, num_stages=1, block_v=None)
 
 
 def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):

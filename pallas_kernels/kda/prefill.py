@@ -15,9 +15,12 @@ positions at or past `ends[n]` are identity steps (the `lengths` of the batch fo
 `kimik3_jax.ops.kda.kda_prefill` takes is supported except float64 and head dims that are not powers of
 two >= 16; `supports` says why it refuses.
 
-`tuning=dict(phases=2)` selects the two-phase variant (pallas_kernels/kda/prefill_two_phase.py): the
+The default is the two-phase variant (pallas_kernels/kda/prefill_two_phase.py, `phases=2`): the
 state-independent per-chunk work in a kernel parallel over (chunk, head), then a serial kernel with only
-the three state products per chunk. This one-phase kernel (phases=1) stays the default.
+the three state products per chunk. It was the fastest on the H200 (docs/benchmarks.md), but its HBM
+workspaces grow with the tokens (about 1.3 KB per token and head at chunk 16: 1 GB at T = 8192, H = 96),
+so a call whose workspaces would pass MAX_WORKSPACE_BYTES runs this one-phase kernel (`phases=1`, no
+workspace) with the same chunk and tiles, unless the caller's tuning names `phases` itself.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ from pallas_kernels.kda.common import (
     store_checkpoint,
 )
 
-# chunk 32 keeps the anchored factors within e^80 at the -5 gate bound; the value tile trades the
-# duplicated per-chunk work (A, M, X, w are recomputed per value tile) against parallelism.
-TUNING = dict(chunk=32, block_v=128, num_warps=8, num_stages=2)  # best of the sweep in docs/benchmarks.md
-# phases=2: the two-phase variant; chunk, block_v, num_warps, num_stages then apply to its serial phase 2
-# and phase1_warps, phase1_stages to its parallel phase 1; u0_bf16 stores its u0 workspace in bf16.
+# Best of the H200 sweep (docs/benchmarks.md, 2026-11-29): two phases at chunk 16, value tiles of 64.
+# chunk, block_v, num_warps, num_stages apply to the serial kernel (phase 2, or the one-phase kernel);
+# phase1_warps, phase1_stages to the parallel phase 1; u0_bf16 stores its u0 workspace in bf16. One-phase
+# chunks are limited by the gate bound (chunk 32 keeps the anchored factors within e^80 at -5).
+TUNING = dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=2, **two_phase.PHASE1_DEFAULTS)
+MAX_WORKSPACE_BYTES = 4 << 30  # above this the default falls back to one phase (see the module docstring)
 MAX_ANCHOR_EXPONENT = 80.0  # e^80 = 5.5e34 < bf16/fp32 max 3.4e38, with room for |q|, |k| <= 1
 
 
@@ -110,15 +114,27 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
     sf_ref[n, h, :, vt] = s.astype(sf_ref.dtype)
 
 
-def _tuning(tuning):
-    t = dict(TUNING, phases=1, **two_phase.PHASE1_DEFAULTS)
-    t.update(tuning or {})
+def _tuning(tuning, q=None, v=None, cu_seqlens=None):
+    """TUNING with the caller's overrides; without an explicit `phases`, one phase when the two-phase
+    workspaces for q [B, T, H, K] and v would pass MAX_WORKSPACE_BYTES."""
+    t = dict(TUNING, **(tuning or {}))
+    if q is not None and "phases" not in (tuning or {}) and t["phases"] == 2:
+        b, tt, nh, dk = q.shape
+        n_chunks = _n_chunks(b, tt, t["chunk"], cu_seqlens)
+        if two_phase.workspace_bytes(n_chunks, nh, t["chunk"], dk, v.shape[-1], t["u0_bf16"]) > MAX_WORKSPACE_BYTES:
+            t["phases"] = 1
     return t
+
+
+def _n_chunks(b, tt, chunk, cu_seqlens):
+    """Static bound on the sequence-local chunks: ceil(T / C) per batch row, or for packed sequences
+    floor(total / C) + one per sequence."""
+    return b * cdiv(tt, chunk) if cu_seqlens is None else (b * tt) // chunk + cu_seqlens.shape[0] - 1
 
 
 def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=False, lengths=None,
              cu_seqlens=None, checkpoint=0, out_dtype=None, interpret=None, tuning=None):
-    t = _tuning(tuning)
+    t = _tuning(tuning, q, v, cu_seqlens)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("s0", s0)):
         if jnp.dtype(x.dtype) == jnp.float64:
             raise Unsupported(f"kda_prefill kernel: {name} is float64 (the kernel computes in fp32)")
@@ -153,7 +169,7 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
     `interpret` (None: interpret unless on a GPU) and `tuning` (overrides of TUNING)."""
     supports(q, k, v, g, beta, s0, a_log=a_log, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
              checkpoint=checkpoint, tuning=tuning)
-    t = _tuning(tuning)
+    t = _tuning(tuning, q, v, cu_seqlens)
     b, tt, nh, dk = q.shape
     dv = v.shape[-1]
     block_v = min(t["block_v"], dv)
@@ -183,8 +199,7 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
         out_shape.append(jax.ShapeDtypeStruct((n_cp, nh, dk, dv), jnp.float32))
     lb = float(lower_bound) if lower_bound is not None else 0.0
     if t["phases"] == 2:
-        # sequence-local chunks: at most ceil(T / C) per batch row, or floor(total / C) + one per sequence
-        n_chunks = b * cdiv(tt, chunk) if cu_seqlens is None else (b * tt) // chunk + nseq
+        n_chunks = _n_chunks(b, tt, chunk, cu_seqlens)
         outs = two_phase.run(
             cu, ends, cpo, a_log_arr, flat(q), flat(k), flat(v), flat(g), flat(beta), s0.astype(jnp.float32),
             out_shape=out_shape, heads=nh, chunk=chunk, block_v=block_v, lower_bound=lb, gate=a_log is not None,

@@ -175,13 +175,12 @@ def workspace_bytes(n_chunks, heads, chunk, dk, dv, u0_bf16=False):
     return n_chunks * heads * per
 
 
-def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chunk, block_v, lower_bound,
-        gate, qk_norm, cp_every, n_chunks, interpret, tuning):
-    """Both phases on the flattened [rows, H, ...] inputs; returns what the one-phase pallas_call does."""
+def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bound, gate, qk_norm, n_chunks,
+           interpret, tuning):
+    """Phase 1 alone (the workspaces w, u0, q_dec, k_tail, M, e^(G_C)), given `chunk_table`'s t0, eos, end."""
     dk, dv = q.shape[-1], v.shape[-1]
-    choff, t0, eos, end = chunk_table(cu, ends, chunk, n_chunks)
     ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
-    work = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm),
         out_shape=[ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, dv, dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
                    ws(chunk, dk, dt=jnp.bfloat16),
@@ -189,6 +188,15 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
         grid=(n_chunks, heads), interpret=interpret, name="kda_prefill_phase1",
         compiler_params=compiler_params(tuning["phase1_warps"], tuning["phase1_stages"]),
     )(t0, eos, end, a_log_arr, q, k, v, g, beta)
+
+
+def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chunk, block_v, lower_bound,
+        gate, qk_norm, cp_every, n_chunks, interpret, tuning):
+    """Both phases on the flattened [rows, H, ...] inputs; returns what the one-phase pallas_call does."""
+    dv = v.shape[-1]
+    choff, t0, eos, end = chunk_table(cu, ends, chunk, n_chunks)
+    work = phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, heads=heads, chunk=chunk, lower_bound=lower_bound,
+                  gate=gate, qk_norm=qk_norm, n_chunks=n_chunks, interpret=interpret, tuning=tuning)
     nseq = cu.shape[0] - 1
     return pl.pallas_call(
         functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every),

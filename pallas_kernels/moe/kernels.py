@@ -95,6 +95,11 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
         y_ref[slots, n] = acc * slot_weight_ref[slots][:, None]
 
 
+# "fast" (decode.decode_fast): the same bits as "exact" with fewer integer operations (bit-identical for
+# every byte and scale 1..254, compiled on the H200 too); 1.3-2.1x faster kernels there (docs/benchmarks.md).
+DEFAULT_DECODE = "fast"
+
+
 def _decoder(name: str):
     return {"exact": dec.decode, "fast": dec.decode_fast, "reinterpret": dec.reinterpret}[name]
 
@@ -109,7 +114,7 @@ def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
 
 
 def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, bm: int, tiles: Tiles,
-            interpret: bool | None = None, decode: str = "exact"):
+            interpret: bool | None = None, decode: str = DEFAULT_DECODE):
     """x [N, L] bf16, w1/w3 packed [E, F, L/2] + scales [E, F, L/32] -> h [T*bm, F] in x's dtype."""
     num_experts, f, half = w1p.shape
     latent = 2 * half
@@ -126,7 +131,7 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
 
 
 def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret: bool | None = None,
-         decode: str = "exact"):
+         decode: str = DEFAULT_DECODE):
     """h [T*bm, F] bf16, w2 packed [E, L, F/2] + scales [E, L, F/32] -> y [T*bm, L] fp32, each slot's row
     times its routing weight."""
     num_experts, latent, half = w2p.shape

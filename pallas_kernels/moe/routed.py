@@ -9,7 +9,7 @@ import numpy as np
 
 from kimik3_jax.ops.impl import Unsupported, register
 from pallas_kernels.moe import dispatch as dsp
-from pallas_kernels.moe.kernels import TileConfig, Tiles, check_tiles, down, gate_up
+from pallas_kernels.moe.kernels import DEFAULT_DECODE, TileConfig, Tiles, check_tiles, down, gate_up
 
 # First choices, not yet tuned on the GPU: benchmarks/moe.py sweeps alternatives at K3's widths
 # (latent 3584, expert 3072); see docs/benchmarks.md.
@@ -42,7 +42,7 @@ def _packed(experts) -> bool:
 
 
 def supports(xl, idx, weights, experts, beta, linear_beta, strategy="auto", *, config=None, interpret=None,
-             decode="exact"):
+             decode=DEFAULT_DECODE):
     if not _packed(experts):
         raise Unsupported("routed_experts kernel: needs packed MXFP4 experts (w1_packed, ...), got "
                           f"{type(experts).__name__}")
@@ -67,11 +67,12 @@ def supports(xl, idx, weights, experts, beta, linear_beta, strategy="auto", *, c
 
 @register("routed_experts", supports)
 def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto", *, config=None,
-                   interpret=None, decode="exact"):
+                   interpret=None, decode=DEFAULT_DECODE):
     """Same contract as `kimik3_jax.ops.moe.routed_experts` (bf16 xl [N, L], packed experts of one layer)
     -> [N, L] float32. `strategy` is the pure op's and is ignored: the tiles follow the number of pairs per
-    expert (`choose_config`) unless `config` is given. `decode="fast"` decodes the same bits with fewer
-    integer operations (decode.decode_fast); `decode="reinterpret"` is a benchmark diagnostic (wrong values)."""
+    expert (`choose_config`) unless `config` is given. `decode` picks the in-register MXFP4 decode: "fast"
+    (the default, decode.decode_fast) and "exact" (decode.decode) give the same bits, "fast" with fewer
+    integer operations; "reinterpret" is a benchmark diagnostic (wrong values)."""
     del strategy
     n, k = idx.shape
     num_experts, width, half = experts.w1_packed.shape

@@ -1,5 +1,6 @@
 """The MXFP4 MoE kernels compiled for the GPU (not interpreted): the CPU suite's cases (tests/test_moe_kernels.py),
-both decodes bit for bit (decode="fast" against the reference and against decode="exact"), and the whole latent
+both decodes bit for bit against the reference (every byte and scale), decode="fast" (the default) against
+decode="exact" on whole paths, and the whole latent
 MoE through the switch. The benchmark shapes (K3 widths, 896 experts) are checked by
 benchmarks/moe.py in the same run as the timings."""
 
@@ -44,7 +45,12 @@ def test_compiled_decode_is_bit_exact_for_every_byte_and_scale_1_to_254(decode):
 @pytest.mark.parametrize("config", [cpu.DECODE, cpu.PREFILL, None], ids=["decode", "prefill", "default"])
 @pytest.mark.parametrize("n,k,kind,wide", [(1, 4, "random", False), (40, 4, "skewed", True),
                                            (33, 1, "one_expert", False), (600, 4, "random", True)])
-def test_compiled_fast_decode_equals_exact_bitwise(config, n, k, kind, wide):
+def test_compiled_fast_decode_equals_exact(config, n, k, kind, wide):
+    """The two decodes give bit-identical weights (the test above, compiled), but compiled for the GPU the
+    two kernels are not bit-identical at bm 16: on the H200 the whole path differed in the last bits
+    (1.8e-7 relative at 1 token, 3.9e-6 at 16 tokens, K3 widths; tests/gpu/probe_session.py part C) while
+    the prefill tiles agreed bit for bit. Identical operands summed in a different order by the code
+    Triton generates around different producers; the bound is fp32 summation-order level."""
     rng = np.random.default_rng([n, k, 5])
     experts = cpu._wide_scale_experts(rng) if wide else cpu._experts(rng)
     idx, w = cpu._routing(rng, n, k, kind)
@@ -52,7 +58,7 @@ def test_compiled_fast_decode_equals_exact_bitwise(config, n, k, kind, wide):
     run = lambda d: np.asarray(kern.routed_experts(xl, idx, w, experts, 4.0, 25.0, config=config, decode=d))
     exact, fast = run("exact"), run("fast")
     assert np.isfinite(exact).all() and np.abs(exact).max() > 0
-    np.testing.assert_array_equal(fast.view(np.uint32), exact.view(np.uint32))
+    assert np.abs(fast - exact).max() <= 1e-5 * np.abs(exact).max()
 
 
 def test_compiled_scale_bytes_and_skipped_pairs():
