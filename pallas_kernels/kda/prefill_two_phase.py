@@ -1,5 +1,5 @@
 """Two-phase Pallas (Triton-style) chunked KDA prefill, selected by `tuning=dict(phases=2)` of
-`pallas_kernels.kda.prefill.kda_prefill` (same op, same arguments; the one-phase kernel stays the default).
+`pallas_kernels.kda.prefill.kda_prefill` (same op, same arguments; the default, see prefill.py).
 
 Phase 1, one program per (chunk, head), all in parallel: everything that does not depend on the state.
 Per chunk of C tokens (G_t = cumulative log decay from the chunk start, per key channel):

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
+# own time limit so that one slow step cannot take the others' time. Run on the device machine from the
+# repository root, with the peer wheels in .whl/ (carried):
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 1234 (default all), e.g. "12" then "34"
+# Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
+# knows where the compile time goes.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STEPS=${1:-1234}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "peer wheels not installed: the benchmarks run without fla and jla"
+export PYTHONPATH=$PWD:/tmp/site
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.txt"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | grep -v -i "deprecat\|warn" >> "$OUT/$name.txt"
+  echo "== $name done in $((SECONDS - t0))s" | tee -a "$OUT/$name.txt"
+}
+
+case $STEPS in *1*)  # the references' fp32 GEMMs need no autotuning for a correctness check
+  XLA_FLAGS=--xla_gpu_autotune_level=0 step 1-kda-tests 240 \
+    python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py ;;
+esac
+case $STEPS in *2*)
+  step 2-kda-bench 240 python3 -u benchmarks/kda.py --reps 10 --json "$OUT/kda.json" \
+    --prefill-shapes 16x4096x12,8x2048x12,1x8192x96,1x32768x96 ;;
+esac
+case $STEPS in *3*)
+  XLA_FLAGS=--xla_gpu_autotune_level=0 step 3-moe-tests 120 \
+    python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_moe_gpu.py \
+    -k "scale_bytes or latent_moe or bit_exact" ;;
+esac
+case $STEPS in *4*)
+  step 4-moe-bench 300 python3 -u benchmarks/moe.py --out "$OUT" --budget-s 270 ;;
+esac
+tail -n 25 "$OUT"/*.txt
