@@ -1,7 +1,7 @@
 """Helpers shared by the KDA kernels: interpret-mode choice, Triton compiler parameters across jax
 versions, the two transposed matmuls (as dot_generals, which the Triton lowering turns into
-tt.trans + tt.dot), and the pieces both prefill kernels run per chunk (the serial state step, the
-checkpoint store)."""
+tt.trans + tt.dot), and the pieces both prefill kernels run per chunk (the serial loop over a sequence's
+chunks, the state step, the checkpoint store)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,18 @@ def chunk_state_step(s, u0, w, q_dec, m, k_tail, decay_end, o_ref, *, t0, h, vt,
     plt.store(o_ref.at[pl.ds(t0, chunk), h, vt], o.astype(o_ref.dtype),
               mask=jnp.broadcast_to(rows_in, (chunk, block_v)))
     return s * decay_end + dot_tn(k_tail, u16)
+
+
+def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos, chunk: int, cp_every: int):
+    """A program's walk over sequence n's chunks: its state tile from s0, `step(j, s) -> s'` per chunk j,
+    the checkpoint after each chunk when asked (cp_refs holds the checkpoint output, or is empty), and the
+    final state into sf."""
+    def body(j, s):
+        s = step(j, s)
+        if cp_every:
+            store_checkpoint(cp_refs[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, chunk=chunk,
+                             span=eos - bos)
+        return s
+
+    s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, s0_ref[n, h, :, vt].astype(jnp.float32))
+    sf_ref[n, h, :, vt] = s.astype(sf_ref.dtype)

@@ -42,7 +42,7 @@ from pallas_kernels.kda.common import (
     compiler_params,
     dot_nt,
     resolve_interpret,
-    store_checkpoint,
+    serial_chunks,
 )
 
 # Best of the H200 sweep (docs/benchmarks.md, 2026-11-29): two phases at chunk 16, value tiles of 64.
@@ -67,7 +67,7 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
     eye = jnp.where(rows == cols, 1.0, 0.0).astype(f32)
     a_log = alog_ref[h].astype(f32) if gate else None
 
-    def body(j, s):
+    def step(j, s):
         t0 = bos + j * chunk
         inb = (t0 + rows) < eos  # [C, 1] rows of this sequence
         real = (t0 + rows) < end  # rows before the identity tail
@@ -101,17 +101,12 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
         decay = jnp.exp(gc)
         w = jnp.dot(x, k * decay * beta, preferred_element_type=f32)
         u0 = jnp.dot(x, v * beta, preferred_element_type=f32)
-        s = chunk_state_step(s, u0, w.astype(bf16), (q * decay).astype(bf16), m.astype(bf16),
-                             (k * jnp.exp(g_end - gc)).astype(bf16), jnp.exp(g_end).T, o_ref, t0=t0, h=h, vt=vt,
-                             rows_in=inb)
-        if cp_every:
-            store_checkpoint(cp_ref[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, chunk=chunk,
-                             span=eos - bos)
-        return s
+        return chunk_state_step(s, u0, w.astype(bf16), (q * decay).astype(bf16), m.astype(bf16),
+                                (k * jnp.exp(g_end - gc)).astype(bf16), jnp.exp(g_end).T, o_ref, t0=t0, h=h,
+                                vt=vt, rows_in=inb)
 
-    s = s0_ref[n, h, :, vt].astype(f32)
-    s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, s)
-    sf_ref[n, h, :, vt] = s.astype(sf_ref.dtype)
+    serial_chunks(step, s0_ref, sf_ref, cp_ref, cpo_ref, n=n, h=h, vt=vt, bos=bos, eos=eos, chunk=chunk,
+                  cp_every=cp_every)
 
 
 def _tuning(tuning, q=None, v=None, cu_seqlens=None):

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import L2_EPS, SUB_BLOCK
-from pallas_kernels.kda.common import cdiv, chunk_state_step, compiler_params, dot_nt, store_checkpoint
+from pallas_kernels.kda.common import cdiv, chunk_state_step, compiler_params, dot_nt, serial_chunks
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
 PHASE1_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, u0_bf16=False)
@@ -141,19 +141,14 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_
     vt = pl.ds(iv * block_v, block_v)
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
 
-    def body(j, s):
+    def step(j, s):
         ci = base + j
         t0 = bos + j * chunk
-        s = chunk_state_step(s, u0_ref[ci, h, :, vt].astype(f32), w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h],
-                             kt_ref[ci, h], dec_ref[ci, h], o_ref, t0=t0, h=h, vt=vt, rows_in=(t0 + rows) < eos)
-        if cp_every:
-            store_checkpoint(cp_ref[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, chunk=chunk,
-                             span=eos - bos)
-        return s
+        return chunk_state_step(s, u0_ref[ci, h, :, vt].astype(f32), w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h],
+                                kt_ref[ci, h], dec_ref[ci, h], o_ref, t0=t0, h=h, vt=vt, rows_in=(t0 + rows) < eos)
 
-    s = s0_ref[n, h, :, vt].astype(f32)
-    s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, s)
-    sf_ref[n, h, :, vt] = s.astype(sf_ref.dtype)
+    serial_chunks(step, s0_ref, sf_ref, cp_ref, cpo_ref, n=n, h=h, vt=vt, bos=bos, eos=eos, chunk=chunk,
+                  cp_every=cp_every)
 
 
 def chunk_table(cu, ends, chunk, n_chunks):

@@ -1,15 +1,14 @@
 """GPU probe (2026-11-29 session): (A) the decode test's N = 32 failure: kernel vs the op on the GPU and
 on the host CPU, active and inactive rows apart; (B) the two-phase prefill's phase-1 share of the time;
 (C) MoE decode="fast" vs "exact" at K3 widths, 16 tokens: how far apart and where."""
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "tests/gpu")
 from kimik3_jax.ops.kda import kda_decode as op  # noqa: E402
 from pallas_kernels.kda import prefill as pp  # noqa: E402
 from pallas_kernels.kda import prefill_two_phase as tp  # noqa: E402
@@ -21,21 +20,10 @@ rel = lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.flo
 
 
 def part_a():
-    n, h, w = 32, 96, 4
-    pool = n + 3
-    ks = jax.random.split(jax.random.key(n), 9)
-    qkv = jax.random.normal(ks[0], (n, 3, h * D), jnp.bfloat16)
-    conv_w = 0.5 * jax.random.normal(ks[1], (3, h * D, w), jnp.float32)
-    conv_pool = jax.random.normal(ks[2], (pool, 3, w - 1, h * D), jnp.bfloat16)
-    s_pool = 0.1 * jax.random.normal(ks[3], (pool, h, D, D), jnp.float32)
-    slots = jax.random.permutation(ks[4], pool)[:n].astype(jnp.int32)
-    z = 3 * jax.random.normal(ks[5], (n, h, D), jnp.float32)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[6], (n, h), jnp.float32))
-    gate = jax.random.normal(ks[7], (n, h, D), jnp.float32)
-    norm_w = 1 + 0.1 * jax.random.normal(ks[8], (D,), jnp.float32)
-    lengths = (jnp.arange(n) % 5 != 4).astype(jnp.int32)
-    kw = dict(eps=1e-5, lengths=lengths, a_log=jnp.linspace(-1, 1, h, dtype=jnp.float32), lower_bound=-5.0)
-    args = (qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w)
+    from test_kda_gpu import decode_case
+    n = 32
+    args, kw = decode_case(n)
+    lengths, slots, pool = kw["lengths"], args[4], args[3].shape[0]
     g = jax.jit(lambda *a: op(*a, **kw))(*args)
     cpu = jax.devices("cpu")[0]
     host_kw = jax.device_put(kw, cpu)
@@ -57,17 +45,8 @@ def part_a():
                     print(f"    {lab} kernel-cpuop {rel(kk[rows], cc[rows]):.2e} gpuop-cpuop {rel(gg[rows], cc[rows]):.2e}")
 
 
-def timed(f, *a, reps=20):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
-
-
 def part_b():
+    from kda import bench_jax as timed
     from kda import prefill_inputs
     import os
     shapes = ((1, 64, 2),) if os.environ.get("PROBE_SMALL") else ((1, 8192, 96), (16, 4096, 12))

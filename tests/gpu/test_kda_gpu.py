@@ -80,10 +80,10 @@ def test_packed_sequences_and_checkpoints(tuning):
     assert np.all(np.asarray(c[n_cp:]) == 0) or c.shape[0] == n_cp
 
 
-@pytest.mark.parametrize("block_v", [None, 32, 64])  # None: whole V per program (the default)
-@pytest.mark.parametrize("n", [1, 32, 256])
-def test_decode_matches_reference(n, block_v):
-    h, w, pool = 96, 4, n + 3
+def decode_case(n, h=96, w=4):
+    """A fused decode step's arguments and keywords: a pool of n + 3 slots, n rows in permuted slots, every
+    fifth row inactive."""
+    pool = n + 3
     ks = jax.random.split(jax.random.key(n), 9)
     qkv = jax.random.normal(ks[0], (n, 3, h * D), jnp.bfloat16)
     conv_w = 0.5 * jax.random.normal(ks[1], (3, h * D, w), jnp.float32)
@@ -96,7 +96,13 @@ def test_decode_matches_reference(n, block_v):
     norm_w = 1 + 0.1 * jax.random.normal(ks[8], (D,), jnp.float32)
     lengths = (jnp.arange(n) % 5 != 4).astype(jnp.int32)  # some inactive slots
     kw = dict(eps=1e-5, lengths=lengths, a_log=jnp.linspace(-1, 1, h, dtype=jnp.float32), lower_bound=-5.0)
-    args = (qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w)
+    return (qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w), kw
+
+
+@pytest.mark.parametrize("block_v", [None, 32, 64])  # None: whole V per program (the default)
+@pytest.mark.parametrize("n", [1, 32, 256])
+def test_decode_matches_reference(n, block_v):
+    args, kw = decode_case(n)
     tuning = None if block_v is None else dict(block_v=block_v, num_warps=4)
     o, c, s = jax.jit(lambda *a: kda_decode(*a, tuning=tuning, **kw))(*args)
     # The state is at bf16 level, not fp32: the op rounds the conv + SiLU output to bf16 (as the layer
