@@ -8,9 +8,10 @@ plain-JAX chunked scan in fp32 (full-precision matmuls) on the same bf16-rounded
 
     PYTHONPATH=$PWD python3 benchmarks/kda.py [--sweep] [--quick] [--only decode] [--json out.json]
 
-With --sweep the prefill part tries one-phase tunings and the two-phase variant (tuning phases=2: the
-per-chunk work parallel over (chunk, head), then the serial state kernel) at chunks 16 / 32 / 64 and value
-tiles 32 / 64 / 128, printing each one's time and errors and reporting the best of each variant; the
+With --sweep the prefill part tries three one-phase tunings and ten of the two-phase kernels (the default;
+tuning phases=2: the per-chunk work parallel over (chunk, head), then the serial state kernel) around the
+default, varying the value tile, phase 1's warps, chunks per program and stages, and u0 in bf16, printing
+each one's time and errors and reporting the best of each variant; the
 decode part tries value tiles (block_v) of 32, 64 and 128 (= V, the default whole-V kernel) with 4 and 8
 warps, printing each one's time, bandwidth and errors. --prefill-shapes / --decode-ns / --decode-heads
 shrink the shapes (on a CPU the kernels run interpreted: a smoke test, not a measurement), e.g.
@@ -43,15 +44,18 @@ DECODE_NS = [1, 32, 256]
 DECODE_TUNINGS = [dict(block_v=bv, num_warps=w, num_stages=1) for bv in (32, 64, 128) for w in (4, 8)]
 DK = DV = 128
 WIDTH = 4
-TUNINGS = [dict(phases=1, chunk=c, block_v=bv, num_warps=w, num_stages=s)
-           for c, bv, w, s in [(32, 64, 4, 2), (32, 32, 4, 2), (32, 128, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2),
-                               (32, 64, 8, 2), (16, 128, 4, 2)]]
-# two-phase: chunk, value tile, warps and stages of the serial phase 2, warps of the parallel phase 1
-TWO_PHASE_TUNINGS = [dict(phases=2, chunk=c, block_v=bv, num_warps=w, num_stages=s, phase1_warps=w1)
-                     for c, bv, w, s, w1 in [(32, 128, 8, 2, 4), (32, 64, 4, 2, 4), (32, 32, 4, 2, 4),
-                                             (64, 128, 8, 2, 8), (64, 64, 4, 2, 8), (64, 64, 8, 3, 4),
-                                             (64, 32, 4, 2, 8), (16, 64, 4, 2, 4)]]
-TWO_PHASE_TUNINGS += [dict(t, u0_bf16=True) for t in TWO_PHASE_TUNINGS[:2] + TWO_PHASE_TUNINGS[3:5]]
+TUNINGS = [dict(phases=1, chunk=c, block_v=bv, num_warps=w, num_stages=2)
+           for c, bv, w in [(32, 128, 8), (16, 64, 4), (32, 64, 4)]]  # the best three of the first sweeps
+# two-phase, around the default (chunk 16, tile 64): chunk, value tile and warps of the serial phase 2;
+# warps, chunks per program and stages of the parallel phase 1 (63% of the time at (1, 8192, 96)); u0 in bf16.
+# Chunk 64 (9-11 ms) and value tiles of 32 at chunk 32 lost in the first sweeps and are left out.
+TWO_PHASE_TUNINGS = [dict(phases=2, chunk=c, block_v=bv, num_warps=4, num_stages=2, phase1_warps=w1,
+                          phase1_chunks=p1, phase1_stages=s1, u0_bf16=u)
+                     for c, bv, w1, p1, s1, u in [(16, 64, 4, 1, 1, False), (16, 128, 4, 1, 1, False),
+                                                  (16, 32, 4, 1, 1, False), (16, 64, 2, 1, 1, False),
+                                                  (16, 64, 4, 2, 2, False), (16, 64, 4, 4, 2, False),
+                                                  (16, 64, 2, 4, 2, False), (16, 64, 4, 1, 1, True),
+                                                  (32, 64, 4, 1, 1, True), (32, 64, 4, 4, 2, True)]]
 
 
 def prefill_bytes(b, t, h, tuning):

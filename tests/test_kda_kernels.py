@@ -73,6 +73,7 @@ def run_prefill(x, **kw):
                                             (37, "bound", ONE), (50, "random", SMALL),
                                             (1, "random", TWO), (64, "bound", TWO_SMALL),
                                             (50, "random", dict(TWO_SMALL, u0_bf16=True)),
+                                            (50, "bound", dict(TWO_SMALL, phase1_chunks=3, phase1_stages=2)),
                                             (70, "bound", TWO_64)])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
     rng = np.random.default_rng([601, t])
@@ -103,7 +104,8 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
     assert_close(s, s_op, BF16_RTOL, axis=(-2, -1), what="kernel vs op states")
 
 
-@pytest.mark.parametrize("tuning", [SMALL, TWO_SMALL], ids=["one-phase", "two-phase"])
+@pytest.mark.parametrize("tuning", [SMALL, TWO_SMALL, dict(TWO_SMALL, phase1_chunks=4)],
+                         ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program"])
 def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     lens = [37, 1, 70, 16, 0, 33]
     cp = 16
@@ -198,6 +200,8 @@ def test_two_phase_packed_chunks_and_limits():
         k.supports(*args, tuning=dict(phases=2, chunk=48), **kw)
     with pytest.raises(impl_mod.Unsupported, match="phases"):
         k.supports(*args, tuning=dict(phases=3), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="phase1_chunks"):
+        k.supports(*args, tuning=dict(phases=2, phase1_chunks=0), **kw)
 
 
 def test_default_falls_back_to_one_phase_past_the_workspace_cap(monkeypatch):

@@ -47,8 +47,9 @@ from pallas_kernels.kda.common import (
 
 # Best of the H200 sweep (docs/benchmarks.md, 2026-11-29): two phases at chunk 16, value tiles of 64.
 # chunk, block_v, num_warps, num_stages apply to the serial kernel (phase 2, or the one-phase kernel);
-# phase1_warps, phase1_stages to the parallel phase 1; u0_bf16 stores its u0 workspace in bf16. One-phase
-# chunks are limited by the gate bound (chunk 32 keeps the anchored factors within e^80 at -5).
+# phase1_warps, phase1_stages, phase1_chunks (chunks per program) to the parallel phase 1; u0_bf16 stores
+# its u0 workspace in bf16. One-phase chunks are limited by the gate bound (chunk 32 keeps the anchored
+# factors within e^80 at -5).
 TUNING = dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=2, **two_phase.PHASE1_DEFAULTS)
 MAX_WORKSPACE_BYTES = 4 << 30  # above this the default falls back to one phase (see the module docstring)
 MAX_ANCHOR_EXPONENT = 80.0  # e^80 = 5.5e34 < bf16/fp32 max 3.4e38, with room for |q|, |k| <= 1
@@ -152,7 +153,7 @@ def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=Fals
     if t["phases"] not in (1, 2):
         raise Unsupported(f"kda_prefill kernel: phases = {t['phases']} is not 1 or 2")
     if t["phases"] == 2:
-        two_phase.check(t["chunk"], lower_bound, Unsupported)
+        two_phase.check(t["chunk"], lower_bound, Unsupported, t["phase1_chunks"])
     elif lower_bound is not None and t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
         raise Unsupported(f"kda_prefill kernel: gate bound {lower_bound} with chunk {t['chunk']} could overflow")
 

@@ -43,7 +43,7 @@ from kimik3_jax.ops.kda import L2_EPS, SUB_BLOCK
 from pallas_kernels.kda.common import cdiv, chunk_state_step, compiler_params, dot_nt, serial_chunks
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
-PHASE1_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, u0_bf16=False)
+PHASE1_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=False)
 
 
 def sub_block(chunk: int) -> int:
@@ -56,80 +56,90 @@ def _row_of(x, rows, idx):
 
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
-                   w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm):
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    c, h = pl.program_id(0), pl.program_id(1)
-    t0, eos, end = t0_ref[c], eos_ref[c], end_ref[c]
-    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
-    sub = sub_block(chunk)
-    nsub = chunk // sub
-    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-    eye = jnp.where(rows == cols, 1.0, 0.0).astype(f32)
-    inb = (t0 + rows) < eos  # rows of this chunk's sequence
-    real = (t0 + rows) < end  # rows before the identity tail
-    mk = jnp.broadcast_to(inb, (chunk, dk))
-    q = plt.load(q_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
-    k = plt.load(k_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
-    v = plt.load(v_ref.at[pl.ds(t0, chunk), h, :], mask=jnp.broadcast_to(inb, (chunk, dv)),
-                 other=0.0).astype(f32)
-    g = plt.load(g_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
-    beta = plt.load(b_ref.at[pl.ds(t0, chunk), h], mask=inb[:, 0], other=0.0).astype(f32)[:, None]
-    if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
-    if qk_norm:
-        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk ** -0.5
-        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
-    g = jnp.where(real, g, 0.0)
-    beta = jnp.where(real, beta, 0.0)
+                   w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm,
+                   per_program):
+    """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
+    (per_program > 1 lets Triton prefetch the next chunk's inputs while it computes one)."""
+    cb, h = pl.program_id(0), pl.program_id(1)
 
-    gc = jnp.cumsum(g, axis=0)  # G_t, inclusive; non-increasing down the chunk
-    blk_r, blk_c = rows // sub, cols // sub
-    same = blk_r == blk_c  # [C, C] pairs inside one sub-block
-    # inside a sub-block: anchor at its middle row
-    mid = sum(jnp.where(blk_r == a, _row_of(gc, rows, a * sub + sub // 2 - 1), 0.0) for a in range(nsub))
-    up, down = jnp.exp(gc - mid), jnp.exp(mid - gc)
-    k_down = (k * down).astype(bf16)
-    pkk = dot_nt((k * up).astype(bf16), k_down)
-    pqk = dot_nt((q * up).astype(bf16), k_down)
-    # across sub-blocks, row block a >= 1: anchor at the decay just before a's first row (both factors <= 1)
-    for a in range(1, nsub):
-        anchor = _row_of(gc, rows, a * sub - 1)
-        row_f = jnp.exp(jnp.where(blk_r == a, gc - anchor, -jnp.inf))  # rows t of block a
-        col_f = jnp.exp(jnp.where(rows < a * sub, anchor - gc, -jnp.inf))  # keys i before block a
-        kc = (k * col_f).astype(bf16)
-        in_a = (blk_r == a) & ~same
-        pkk = jnp.where(in_a, dot_nt((k * row_f).astype(bf16), kc), pkk)
-        pqk = jnp.where(in_a, dot_nt((q * row_f).astype(bf16), kc), pqk)
-    a_mat = jnp.where(rows > cols, pkk, 0.0) * beta
-    m = jnp.where(rows >= cols, pqk, 0.0)
+    def one(c):
+        f32, bf16 = jnp.float32, jnp.bfloat16
+        t0, eos, end = t0_ref[c], eos_ref[c], end_ref[c]
+        dk, dv = q_ref.shape[-1], v_ref.shape[-1]
+        sub = sub_block(chunk)
+        nsub = chunk // sub
+        rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+        eye = jnp.where(rows == cols, 1.0, 0.0).astype(f32)
+        inb = (t0 + rows) < eos  # rows of this chunk's sequence
+        real = (t0 + rows) < end  # rows before the identity tail
+        mk = jnp.broadcast_to(inb, (chunk, dk))
+        q = plt.load(q_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+        k = plt.load(k_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+        v = plt.load(v_ref.at[pl.ds(t0, chunk), h, :], mask=jnp.broadcast_to(inb, (chunk, dv)),
+                     other=0.0).astype(f32)
+        g = plt.load(g_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
+        beta = plt.load(b_ref.at[pl.ds(t0, chunk), h], mask=inb[:, 0], other=0.0).astype(f32)[:, None]
+        if gate:
+            g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+        if qk_norm:
+            q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk ** -0.5
+            k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
+        g = jnp.where(real, g, 0.0)
+        beta = jnp.where(real, beta, 0.0)
 
-    # forward substitution inside the diagonal sub-blocks, all at once: row r of every block from the
-    # rows above it, X[t] = e_t - sum_{i<t} A[t, i] X[i] (the inverse stays block-diagonal)
-    a_diag = jnp.where(same, a_mat, 0.0)
-    inv = eye
-    for r in range(1, sub):
-        at_r = (rows % sub) == r
-        coef = jnp.sum(jnp.where(at_r, a_diag, 0.0), axis=0)  # [C]: A[row r of block(j), j]
-        acc = jnp.sum(coef[:, None] * inv, axis=0)  # [C]: sum_j coef_j X[j, :], each block's own columns
-        inv = jnp.where(at_r & same, eye - acc[None, :], inv)
-    if nsub > 1:  # join the blocks: (I + A)^-1 = (I + N)^-1 D, N = D L nilpotent of index nsub
-        nmat = jnp.dot(inv, jnp.where(same, 0.0, a_mat), preferred_element_type=f32)
-        x = eye - nmat
-        p = nmat
-        for _ in range(nsub.bit_length() - 2):  # (I - N)(I + N^2)(I + N^4)...
-            p = jnp.dot(p, p, preferred_element_type=f32)
-            x = x + jnp.dot(x, p, preferred_element_type=f32)
-        inv = jnp.dot(x, inv, preferred_element_type=f32)
+        gc = jnp.cumsum(g, axis=0)  # G_t, inclusive; non-increasing down the chunk
+        blk_r, blk_c = rows // sub, cols // sub
+        same = blk_r == blk_c  # [C, C] pairs inside one sub-block
+        # inside a sub-block: anchor at its middle row
+        mid = sum(jnp.where(blk_r == a, _row_of(gc, rows, a * sub + sub // 2 - 1), 0.0) for a in range(nsub))
+        up, down = jnp.exp(gc - mid), jnp.exp(mid - gc)
+        k_down = (k * down).astype(bf16)
+        pkk = dot_nt((k * up).astype(bf16), k_down)
+        pqk = dot_nt((q * up).astype(bf16), k_down)
+        # across sub-blocks, row block a >= 1: anchor at the decay just before a's first row (both factors <= 1)
+        for a in range(1, nsub):
+            anchor = _row_of(gc, rows, a * sub - 1)
+            row_f = jnp.exp(jnp.where(blk_r == a, gc - anchor, -jnp.inf))  # rows t of block a
+            col_f = jnp.exp(jnp.where(rows < a * sub, anchor - gc, -jnp.inf))  # keys i before block a
+            kc = (k * col_f).astype(bf16)
+            in_a = (blk_r == a) & ~same
+            pkk = jnp.where(in_a, dot_nt((k * row_f).astype(bf16), kc), pkk)
+            pqk = jnp.where(in_a, dot_nt((q * row_f).astype(bf16), kc), pqk)
+        a_mat = jnp.where(rows > cols, pkk, 0.0) * beta
+        m = jnp.where(rows >= cols, pqk, 0.0)
 
-    decay = jnp.exp(gc)
-    g_end = _row_of(gc, rows, chunk - 1)  # [1, K] total log decay of the chunk
-    w_ref[c, h] = jnp.dot(inv, k * decay * beta, preferred_element_type=f32).astype(w_ref.dtype)
-    u0_ref[c, h] = jnp.dot(inv, v * beta, preferred_element_type=f32).astype(u0_ref.dtype)
-    qd_ref[c, h] = (q * decay).astype(qd_ref.dtype)
-    kt_ref[c, h] = (k * jnp.exp(g_end - gc)).astype(kt_ref.dtype)
-    m_ref[c, h] = m.astype(m_ref.dtype)
-    dec_ref[c, h] = jnp.exp(g_end).T.astype(dec_ref.dtype)
+        # forward substitution inside the diagonal sub-blocks, all at once: row r of every block from the
+        # rows above it, X[t] = e_t - sum_{i<t} A[t, i] X[i] (the inverse stays block-diagonal)
+        a_diag = jnp.where(same, a_mat, 0.0)
+        inv = eye
+        for r in range(1, sub):
+            at_r = (rows % sub) == r
+            coef = jnp.sum(jnp.where(at_r, a_diag, 0.0), axis=0)  # [C]: A[row r of block(j), j]
+            acc = jnp.sum(coef[:, None] * inv, axis=0)  # [C]: sum_j coef_j X[j, :], each block's own columns
+            inv = jnp.where(at_r & same, eye - acc[None, :], inv)
+        if nsub > 1:  # join the blocks: (I + A)^-1 = (I + N)^-1 D, N = D L nilpotent of index nsub
+            nmat = jnp.dot(inv, jnp.where(same, 0.0, a_mat), preferred_element_type=f32)
+            x = eye - nmat
+            p = nmat
+            for _ in range(nsub.bit_length() - 2):  # (I - N)(I + N^2)(I + N^4)...
+                p = jnp.dot(p, p, preferred_element_type=f32)
+                x = x + jnp.dot(x, p, preferred_element_type=f32)
+            inv = jnp.dot(x, inv, preferred_element_type=f32)
+
+        decay = jnp.exp(gc)
+        g_end = _row_of(gc, rows, chunk - 1)  # [1, K] total log decay of the chunk
+        w_ref[c, h] = jnp.dot(inv, k * decay * beta, preferred_element_type=f32).astype(w_ref.dtype)
+        u0_ref[c, h] = jnp.dot(inv, v * beta, preferred_element_type=f32).astype(u0_ref.dtype)
+        qd_ref[c, h] = (q * decay).astype(qd_ref.dtype)
+        kt_ref[c, h] = (k * jnp.exp(g_end - gc)).astype(kt_ref.dtype)
+        m_ref[c, h] = m.astype(m_ref.dtype)
+        dec_ref[c, h] = jnp.exp(g_end).T.astype(dec_ref.dtype)
+
+    if per_program == 1:
+        one(cb)
+    else:
+        jax.lax.fori_loop(0, per_program, lambda i, carry: (one(cb * per_program + i), carry)[1], 0)
 
 
 def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, s0_ref,
@@ -172,15 +182,19 @@ def workspace_bytes(n_chunks, heads, chunk, dk, dv, u0_bf16=False):
 
 def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bound, gate, qk_norm, n_chunks,
            interpret, tuning):
-    """Phase 1 alone (the workspaces w, u0, q_dec, k_tail, M, e^(G_C)), given `chunk_table`'s t0, eos, end."""
+    """Phase 1 alone (the workspaces w, u0, q_dec, k_tail, M, e^(G_C)), given `chunk_table`'s t0, eos, end
+    (n_chunks a multiple of tuning phase1_chunks)."""
+    if n_chunks % tuning["phase1_chunks"]:
+        raise ValueError(f"phase 1: {n_chunks} chunks do not divide into programs of {tuning['phase1_chunks']}")
     dk, dv = q.shape[-1], v.shape[-1]
     ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm),
+        functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
+                          per_program=tuning["phase1_chunks"]),
         out_shape=[ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, dv, dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
                    ws(chunk, dk, dt=jnp.bfloat16),
                    ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, chunk, dt=jnp.bfloat16), ws(dk, 1, dt=jnp.float32)],
-        grid=(n_chunks, heads), interpret=interpret, name="kda_prefill_phase1",
+        grid=(n_chunks // tuning["phase1_chunks"], heads), interpret=interpret, name="kda_prefill_phase1",
         compiler_params=compiler_params(tuning["phase1_warps"], tuning["phase1_stages"]),
     )(t0, eos, end, a_log_arr, q, k, v, g, beta)
 
@@ -189,6 +203,8 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
         gate, qk_norm, cp_every, n_chunks, interpret, tuning):
     """Both phases on the flattened [rows, H, ...] inputs; returns what the one-phase pallas_call does."""
     dv = v.shape[-1]
+    per = tuning["phase1_chunks"]
+    n_chunks = cdiv(n_chunks, per) * per  # whole programs; the extra chunks are masked and never read
     choff, t0, eos, end = chunk_table(cu, ends, chunk, n_chunks)
     work = phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, heads=heads, chunk=chunk, lower_bound=lower_bound,
                   gate=gate, qk_norm=qk_norm, n_chunks=n_chunks, interpret=interpret, tuning=tuning)
@@ -201,8 +217,10 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     )(cu, choff, cpo, *work, s0)
 
 
-def check(chunk, lower_bound, unsupported):
+def check(chunk, lower_bound, unsupported, phase1_chunks=1):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
+    if not isinstance(phase1_chunks, int) or phase1_chunks < 1:
+        raise unsupported(f"kda_prefill two-phase kernel: phase1_chunks = {phase1_chunks!r} is not an integer >= 1")
     if chunk < 16 or chunk & (chunk - 1):
         raise unsupported(f"kda_prefill two-phase kernel: chunk = {chunk} is not a power of two >= 16")
     if lower_bound is not None and sub_block(chunk) // 2 * abs(lower_bound) > MAX_INTRA_EXPONENT:
