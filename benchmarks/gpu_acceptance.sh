@@ -2,7 +2,7 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 1234 (default all), e.g. "12" then "34"
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 12345 (default 1234), e.g. "12", "34", "5"
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
 set -u
@@ -39,5 +39,9 @@ case $STEPS in *3*)
 esac
 case $STEPS in *4*)
   step 4-moe-bench 300 python3 -u benchmarks/moe.py --out "$OUT" --budget-s 270 ;;
+esac
+case $STEPS in *5*)  # the prefill sweep around the default, phase 1's chunks per program included
+  step 5-kda-sweep 300 python3 -u benchmarks/kda.py --sweep --only prefill --reps 10 --prefill-shapes 1x8192x96 \
+    --json "$OUT/kda_sweep.json" ;;
 esac
 tail -n 25 "$OUT"/*.txt
