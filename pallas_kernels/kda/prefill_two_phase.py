@@ -59,7 +59,8 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
                    w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm,
                    per_program):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
-    (per_program > 1 lets Triton prefetch the next chunk's inputs while it computes one)."""
+    (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1; not
+    yet measured on a GPU)."""
     cb, h = pl.program_id(0), pl.program_id(1)
 
     def one(c):
