@@ -322,7 +322,6 @@ def main():
                 if "whole_s" in row:
                     row[variant + "_speedup"] = {k: row[k] / r[k] for k in ("gate_up_s", "down_s", "whole_s")}
                 if variant == "exact":  # same weights, summed in the order the compiled kernels choose
-                    xl, idx, w = routing(n, n)
                     record_check(n, "decode exact (whole path)", kernel_fn(row_cfg[n])(xl, idx, w, ex),
                                  kernel_fn(row_cfg[n], "exact")(xl, idx, w, ex))
             except Exception as exc:  # noqa: BLE001

@@ -1,6 +1,7 @@
 """GPU probe (2026-11-29 session): (A) the decode test's N = 32 failure: kernel vs the op on the GPU and
 on the host CPU, active and inactive rows apart; (B) the two-phase prefill's phase-1 share of the time;
 (C) MoE decode="fast" vs "exact" at K3 widths, 16 tokens: how far apart and where."""
+import os
 import sys
 
 import jax
@@ -48,7 +49,6 @@ def part_a():
 def part_b():
     from kda import bench_jax as timed
     from kda import prefill_inputs
-    import os
     shapes = ((1, 64, 2),) if os.environ.get("PROBE_SMALL") else ((1, 8192, 96), (16, 4096, 12))
     for shape in shapes:
         b, t, h = shape

@@ -116,4 +116,9 @@ def test_decode_matches_reference(n, block_v):
     assert rel(o, ro) < BF16_LEVEL
     assert rel(s, rs) < BF16_LEVEL
     np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(rc, np.float32))
+    # slots of inactive rows and slots no row uses keep their state and tails bit for bit
+    slots, lengths = np.asarray(args[4]), np.asarray(kw["lengths"])
+    untouched = np.setdiff1d(np.arange(args[3].shape[0]), slots[lengths > 0])
+    np.testing.assert_array_equal(np.asarray(s)[untouched], np.asarray(args[3])[untouched])
+    np.testing.assert_array_equal(np.asarray(c, np.float32)[untouched], np.asarray(args[2], np.float32)[untouched])
 
