@@ -2,7 +2,7 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 12345 (default 1234), e.g. "13", "25", "4"
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 123456 (default 1234), e.g. "13", "25", "4"
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
@@ -44,5 +44,8 @@ esac
 case $STEPS in *5*)  # the prefill sweep around the default, phase 1's chunks per program included
   step 5-kda-sweep ${LIMIT_5:-300} python3 -u benchmarks/kda.py --sweep --only prefill --reps 10 --prefill-shapes 1x8192x96 \
     --json "$OUT/kda_sweep.json" ;;
+esac
+case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults), with checks
+  step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
 tail -n 25 "$OUT"/*.txt

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import replace
 from functools import cache, partial
 
 # JAX's allocator stops at 75% of the GPU's memory by default, also without preallocation. The peers hold
@@ -196,6 +197,14 @@ def torch_peer(tokens):
     return out
 
 
+def sweep_configs(base, extra=()):
+    """The default tiles, each MMA shaping of `Tiles` (swap, split, both) on them, and the `extra` changes
+    (dicts of Tiles fields) with both shapings on."""
+    both = lambda **kw: TileConfig(base.bm, replace(base.gate_up, **kw), replace(base.down, **kw))  # noqa: E731
+    out = [base, both(swap=True), both(split=True), both(swap=True, split=True)]
+    return out + [both(swap=True, split=True, **kw) for kw in extra]
+
+
 def kernel_parts(cfg, decode=kern.DEFAULT_DECODE):
     """Jitted (layout, gate_up, down, whole) for timing each part. The experts are arguments, never
     closed over: jit would embed closed-over arrays in the program as constants (gigabytes here)."""
@@ -239,6 +248,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true", help="stop after the tile sweep (an exploration run)")
     ap.add_argument("--ragged-full", action="store_true",
                     help="also try lax.ragged_dot with all 896 experts (ANCHORS: it does not compile there)")
     ap.add_argument("--small", action="store_true", help="tiny widths: a dry run of the script on the CPU")
@@ -266,20 +276,23 @@ def main():
     # Tile sweep: a few candidates per regime, at a representative token count each.
     best = {"decode": kern.DECODE, "prefill": kern.PREFILL}
     if not args.no_sweep:
-        cands = {
-            "decode": (512, [kern.DECODE, TileConfig(16, Tiles(32, 256, 4, 3), Tiles(32, 256, 4, 3))]),
-            "prefill": (4096, [kern.PREFILL, TileConfig(64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3))]),
-        }
+        cands = {"decode": (512, sweep_configs(kern.DECODE, [dict(bk=256)])),
+                 "prefill": (4096, sweep_configs(kern.PREFILL, [dict(bk=128, num_stages=3)]))}
         for regime, (n, cs) in cands.items():
             scores = []
+            xl, idx, w = routing(n, n)
             for c in cs:
-                if late(0.45):
+                if late(0.9 if args.sweep_only else 0.45):
                     break
                 try:
                     r = measure_kernels(ex, n, c)
                     scores.append((r["gate_up_s"] + r["down_s"], c))
                     RESULTS["sweep"].append({"regime": regime, "tokens": n, "config": repr(c), **r})
                     log("sweep", regime, n, c, r)
+                    if c != cs[0]:  # the same op: against the first (default) tiles' output
+                        record_check(n, f"sweep {regime} {c} vs default tiles",
+                                     kernel_fn(kern.fit(c, L, F))(xl, idx, w, ex),
+                                     kernel_fn(kern.fit(cs[0], L, F))(xl, idx, w, ex))
                 except Exception as exc:  # noqa: BLE001
                     RESULTS["errors"].append(f"sweep {regime} {c}: {type(exc).__name__}: {str(exc)[:400]}")
                     log("sweep failed", regime, c, str(exc)[:400])
@@ -287,6 +300,14 @@ def main():
                 best[regime] = min(scores, key=lambda s: s[0])[1]
             save(args.out)
     RESULTS["best"] = {k: repr(v) for k, v in best.items()}
+    if args.sweep_only:
+        save(args.out)
+        for r in RESULTS["sweep"]:
+            print(f"sweep {r['regime']} {r['tokens']} gate_up {r['gate_up_s'] * 1e3:.3f} ms down "
+                  f"{r['down_s'] * 1e3:.3f} ms whole {r['whole_s'] * 1e3:.3f} ms  {r['config']}")
+        for c in RESULTS["checks"]:
+            print("check", c)
+        return 0
 
     dense = None
     row_cfg = {}  # tokens -> the fitted config timed (the checks run the same compiled program)

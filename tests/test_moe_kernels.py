@@ -16,7 +16,7 @@ from kimik3_jax.presets import preset
 from pallas_kernels.moe import decode as dec
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed as kern
-from pallas_kernels.moe.kernels import TileConfig, Tiles
+from pallas_kernels.moe.kernels import TileConfig, Tiles, check_tiles, split_columns
 
 E, F, L = 16, 128, 64  # experts, expert width, latent width
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -105,6 +105,36 @@ def test_kernel_equals_pure_op(config, n, k, kind):
     idx, w = _routing(rng, n, k, kind)
     xl = jnp.asarray(rng.standard_normal((n, L)), jnp.bfloat16)
     _check(xl, idx, w, experts, config)
+
+
+# The MMA shapings of `Tiles` (swap: weights as the left operand; split: even/odd halves, no interleave),
+# each in both regimes: the same op, so the same tolerance against the pure op.
+VARIANTS = {f"{regime}-{name}": TileConfig(bm, Tiles(32, 64, swap=swap, split=split), Tiles(32, 64, swap=swap, split=split))
+            for regime, bm in (("decode", 16), ("prefill", 128))
+            for name, swap, split in (("swap", True, False), ("split", False, True), ("swap-split", True, True))}
+
+
+@pytest.mark.parametrize("config", list(VARIANTS.values()), ids=list(VARIANTS))
+@pytest.mark.parametrize("n,k,kind", [(40, 4, "skewed"), (33, 1, "one_expert"), (1, 4, "random")])
+def test_mma_variants_equal_pure_op(config, n, k, kind):
+    rng = np.random.default_rng([n, k, len(kind), 9])
+    experts = _experts(rng)
+    idx, w = _routing(rng, n, k, kind)
+    xl = jnp.asarray(rng.standard_normal((n, L)), jnp.bfloat16)
+    _check(xl, idx, w, experts, config)
+
+
+def test_split_needs_whole_scale_groups_per_half():
+    with pytest.raises(ValueError, match="split needs bk >= 64"):
+        check_tiles("down", 64, 128, Tiles(32, 32, split=True))
+
+
+def test_split_columns_puts_each_blocks_even_columns_first():
+    a = jnp.arange(2 * 256).reshape(2, 256)
+    got = np.asarray(split_columns(a, 128))
+    want = np.concatenate([np.asarray(a)[:, b:b + 128][:, order] for b in (0, 128) for order in
+                           (slice(0, None, 2), slice(1, None, 2))], axis=1)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_scale_bytes_across_1_to_254():

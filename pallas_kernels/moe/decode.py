@@ -24,18 +24,11 @@ _BIAS = 0x3E80 - (127 << 7)  # 0x3F00 - 2 * 0x40, minus the E8M0 bias in the bf1
 
 
 def exponent_offsets(scale: jax.Array, width: int) -> jax.Array:
-    """scale uint8 [r, c/32] -> int32 [r, c]: what each element's scale adds to its bf16 bits
-    (the group's value computed once, then repeated over its 32 elements)."""
+    """scale uint8 [r, width/g] -> int32 [r, width]: what each of its g columns' scale adds to the bf16
+    bits (the group's value computed once, then repeated; width c/2 gives it per packed byte)."""
     rows, groups = scale.shape
     c = (scale.astype(jnp.int32) << 7) + _BIAS
     return jnp.broadcast_to(c[:, :, None], (rows, groups, width // groups)).reshape(rows, width)
-
-
-def nibbles(packed: jax.Array) -> jax.Array:
-    """packed uint8 [r, c/2] -> int32 [r, c] nibbles in element order (low nibble first)."""
-    rows, half = packed.shape
-    p = packed.astype(jnp.int32)
-    return jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(rows, 2 * half)
 
 
 def decode_bits(nib: jax.Array, offset: jax.Array) -> jax.Array:
@@ -46,11 +39,27 @@ def decode_bits(nib: jax.Array, offset: jax.Array) -> jax.Array:
     return mag | ((nib & 8) << 12)
 
 
+def interleave(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """The low- and high-nibble halves [r, c/2] -> [r, c] in element order (2j from lo, 2j + 1 from hi)."""
+    rows, half = lo.shape
+    return jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * half)
+
+
+def _bf16(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def decode_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """packed uint8 [r, c/2], scale uint8 [r, c/32] -> bf16 (even elements, odd elements), each [r, c/2]:
+    the low and high nibbles of every byte, with no interleave (see kernels.py, `Tiles.split`)."""
+    p = packed.astype(jnp.int32)
+    offset = exponent_offsets(scale, packed.shape[-1])  # per byte: both nibbles share the group's scale
+    return _bf16(decode_bits(p & 0xF, offset)), _bf16(decode_bits(p >> 4, offset))
+
+
 def decode(packed: jax.Array, scale: jax.Array) -> jax.Array:
     """packed uint8 [r, c/2], scale uint8 [r, c/32] -> bf16 [r, c] (values already in registers)."""
-    nib = nibbles(packed)
-    bits = decode_bits(nib, exponent_offsets(scale, nib.shape[-1]))
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+    return interleave(*decode_halves(packed, scale))
 
 
 def _fp16_pairs(p: jax.Array) -> jax.Array:
@@ -63,7 +72,12 @@ def _fp16_pairs(p: jax.Array) -> jax.Array:
 
 
 def decode_fast(packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """Same bits as `decode` (scale bytes 1..254), fewer integer operations, and exact under any
+    """`decode_fast_halves` interleaved into element order: the same bits as `decode`."""
+    return interleave(*decode_fast_halves(packed, scale))
+
+
+def decode_fast_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Same bits as `decode_halves` (scale bytes 1..254), fewer integer operations, and exact under any
     denormal mode (XLA on the CPU flushes subnormal inputs and results of float arithmetic).
 
     E2M1 s e1 e0 m written as sign << 15 | em << 9 is the fp16 of value * 2^-14: fp16's subnormals
@@ -95,12 +109,22 @@ def decode_fast(packed: jax.Array, scale: jax.Array) -> jax.Array:
 
     lo = one(w.astype(jnp.uint16), w << 13)  # m of the low nibble: bit 9 -> 22
     hi = one((w >> 16).astype(jnp.uint16), w >> 3)  # m of the high nibble: bit 25 -> 22
-    return jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * half)
+    return lo, hi
+
+
+def reinterpret_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NOT a decode: the same bytes turned into bf16 with the fewest operations (wrong values). Only for
+    the benchmark's diagnostic run that separates the cost of reading bytes from the cost of decoding."""
+    p = packed.astype(jnp.int32)
+    offset = exponent_offsets(scale, packed.shape[-1])
+    return _bf16(((p & 0xF) << 6) + offset), _bf16(((p >> 4) << 6) + offset)
 
 
 def reinterpret(packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """NOT a decode: the same bytes turned into bf16 with the fewest operations (wrong values). Only for
-    the benchmark's diagnostic run that separates the cost of reading bytes from the cost of decoding."""
-    nib = nibbles(packed)
-    bits = (nib << 6) + exponent_offsets(scale, nib.shape[-1])
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+    """`reinterpret_halves` in element order (the diagnostic; wrong values)."""
+    return interleave(*reinterpret_halves(packed, scale))
+
+
+# name -> (decode into element order [r, c], decode into (even, odd) halves [r, c/2] each)
+DECODERS = {"exact": (decode, decode_halves), "fast": (decode_fast, decode_fast_halves),
+            "reinterpret": (reinterpret, reinterpret_halves)}

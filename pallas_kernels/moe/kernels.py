@@ -31,11 +31,20 @@ _CompilerParams = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCo
 
 @dataclass(frozen=True)
 class Tiles:
-    """One kernel's tiles: bn output columns, bk reduction elements (a multiple of 32), Triton knobs."""
+    """One kernel's tiles: bn output columns, bk reduction elements (a multiple of 32), Triton knobs, and
+    two ways to shape the MMA around the decoded weights (same math, different instruction streams):
+    - swap: compute the transposed tile, W [bn, bk] . act^T -> [bn, bm], so that the decoded weights are
+      the MMA's left operand (M = bn) and the few activation rows its narrow right operand, as weight-only
+      quantised decode GEMMs do; the epilogue transposes back;
+    - split: no nibble interleave in registers: the even and odd elements of each bk block are two dots of
+      bk/2 each, against the activation's even and odd columns (the wrapper reorders the activation's
+      columns once per call so that both halves are contiguous loads)."""
     bn: int
     bk: int
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False
+    split: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,54 +63,67 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def split_columns(a: jax.Array, bk: int) -> jax.Array:
+    """[R, K] -> [R, K] with each bk block's even columns first, then its odd ones (for `Tiles.split`)."""
+    rows, k = a.shape
+    return a.reshape(rows, k // bk, bk // 2, 2).swapaxes(2, 3).reshape(rows, k)
+
+
+def _block_product(act_ref, act_rows, w_p_ref, w_s_ref, e, n, kb, *, bk, decode, swap, split):
+    """One K block's product of the activation rows with expert e's decoded weight rows n: [bm, bn], or
+    [bn, bm] with swap. act columns are in `split_columns` order when split."""
+    kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
+    full, halves = dec.DECODERS[decode]
+    if split:
+        ws = halves(w_p_ref[e, n, kp], w_s_ref[e, n, ks])
+        acts = (act_ref[act_rows, pl.ds(kb * bk, bk // 2)], act_ref[act_rows, pl.ds(kb * bk + bk // 2, bk // 2)])
+    else:
+        ws = (full(w_p_ref[e, n, kp], w_s_ref[e, n, ks]),)
+        acts = (act_ref[act_rows, pl.ds(kb * bk, bk)],)
+    parts = [_dot_t(w, a) if swap else _dot_t(a, w) for a, w in zip(acts, ws)]
+    return sum(parts[1:], parts[0])
+
+
 def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3p_ref, w3s_ref, h_ref, *,
-                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode):
+                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode, swap, split):
     t, j = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[t]
 
     @pl.when(e < num_experts)
     def _():
-        rows = slot_token_ref[pl.ds(t * bm, bm)]
+        rows = slot_token_ref[pl.ds(t * bm, bm)]  # x is gathered by the tile's tokens
         n = pl.ds(j * bn, bn)
+        prod = functools.partial(_block_product, x_ref, rows, e=e, n=n, bk=bk, decode=decode, swap=swap,
+                                 split=split)
 
         def step(kb, accs):
             a1, a3 = accs
-            x = x_ref[rows, pl.ds(kb * bk, bk)]  # gather of the tile's tokens
-            kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
-            w1 = decode(w1p_ref[e, n, kp], w1s_ref[e, n, ks])
-            w3 = decode(w3p_ref[e, n, kp], w3s_ref[e, n, ks])
-            return a1 + _dot_t(x, w1), a3 + _dot_t(x, w3)
+            return a1 + prod(w1p_ref, w1s_ref, kb=kb), a3 + prod(w3p_ref, w3s_ref, kb=kb)
 
-        zero = jnp.zeros((bm, bn), jnp.float32)
+        zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
         a1, a3 = jax.lax.fori_loop(0, num_k, step, (zero, zero))
-        h_ref[pl.ds(t * bm, bm), n] = situ(a1, a3, beta, linear_beta).astype(h_ref.dtype)
+        h = situ(a1, a3, beta, linear_beta).astype(h_ref.dtype)
+        h_ref[pl.ds(t * bm, bm), n] = h.T if swap else h
 
 
 def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_ref, *,
-                 bm, bn, bk, num_k, num_experts, decode):
+                 bm, bn, bk, num_k, num_experts, decode, swap, split):
     t, j = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[t]
 
     @pl.when(e < num_experts)
     def _():
         slots, n = pl.ds(t * bm, bm), pl.ds(j * bn, bn)
-
-        def step(kb, acc):
-            h = h_ref[slots, pl.ds(kb * bk, bk)]
-            kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
-            return acc + _dot_t(h, decode(w2p_ref[e, n, kp], w2s_ref[e, n, ks]))
-
-        acc = jax.lax.fori_loop(0, num_k, step, jnp.zeros((bm, bn), jnp.float32))
-        y_ref[slots, n] = acc * slot_weight_ref[slots][:, None]
+        prod = functools.partial(_block_product, h_ref, slots, w2p_ref, w2s_ref, e, n, bk=bk, decode=decode,
+                                 swap=swap, split=split)
+        acc = jax.lax.fori_loop(0, num_k, lambda kb, acc: acc + prod(kb),
+                                jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+        y_ref[slots, n] = (acc.T if swap else acc) * slot_weight_ref[slots][:, None]
 
 
 # "fast" (decode.decode_fast): the same bits as "exact" with fewer integer operations (bit-identical for
 # every byte and scale 1..254, compiled on the H200 too); 1.3-2.1x faster kernels there (docs/benchmarks.md).
 DEFAULT_DECODE = "fast"
-
-
-def _decoder(name: str):
-    return {"exact": dec.decode, "fast": dec.decode_fast, "reinterpret": dec.reinterpret}[name]
 
 
 def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
@@ -111,6 +133,8 @@ def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
             raise ValueError(f"{what}: {name}={size} must be a power of two >= 16 dividing {dim}")
     if tiles.bk % dec.GROUP:
         raise ValueError(f"{what}: bk={tiles.bk} must be a multiple of {dec.GROUP}")
+    if tiles.split and tiles.bk < 2 * dec.GROUP:
+        raise ValueError(f"{what}: split needs bk >= {2 * dec.GROUP}, got {tiles.bk}")
 
 
 def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, bm: int, tiles: Tiles,
@@ -120,9 +144,13 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
     latent = 2 * half
     check_tiles("gate_up", f, latent, tiles)
     slots = slot_token.shape[0]
+    if decode not in dec.DECODERS:
+        raise ValueError(f"gate_up: decode={decode!r} is not one of {sorted(dec.DECODERS)}")
     kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
-                               num_experts=num_experts, beta=beta, linear_beta=linear_beta,
-                               decode=_decoder(decode))
+                               num_experts=num_experts, beta=beta, linear_beta=linear_beta, decode=decode,
+                               swap=tiles.swap, split=tiles.split)
+    if tiles.split:
+        x = split_columns(x, tiles.bk)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((slots, f), x.dtype), grid=(slots // bm, f // tiles.bn),
         compiler_params=_CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
@@ -138,8 +166,12 @@ def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret
     f = 2 * half
     check_tiles("down", latent, f, tiles)
     slots = h.shape[0]
+    if decode not in dec.DECODERS:
+        raise ValueError(f"down: decode={decode!r} is not one of {sorted(dec.DECODERS)}")
     kernel = functools.partial(_down_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=f // tiles.bk,
-                               num_experts=num_experts, decode=_decoder(decode))
+                               num_experts=num_experts, decode=decode, swap=tiles.swap, split=tiles.split)
+    if tiles.split:
+        h = split_columns(h, tiles.bk)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((slots, latent), jnp.float32),
         grid=(slots // bm, latent // tiles.bn),

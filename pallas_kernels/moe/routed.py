@@ -4,6 +4,8 @@ kernel applying the routing weights, and the combine by gather in top-k order.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,9 +32,9 @@ def fit(config: TileConfig, latent: int, width: int) -> TileConfig:
         bn, bk = t.bn, t.bk
         while bn > 16 and n % bn:
             bn //= 2
-        while bk > 32 and k % bk:
+        while bk > (64 if t.split else 32) and k % bk:  # split: two halves of whole scale groups
             bk //= 2
-        return Tiles(bn, bk, t.num_warps, t.num_stages)
+        return dataclasses.replace(t, bn=bn, bk=bk)
     return TileConfig(config.bm, shrink(config.gate_up, width, latent), shrink(config.down, latent, width))
 
 
