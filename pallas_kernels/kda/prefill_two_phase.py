@@ -43,7 +43,8 @@ from kimik3_jax.ops.kda import L2_EPS, SUB_BLOCK
 from pallas_kernels.kda.common import cdiv, chunk_state_step, compiler_params, dot_nt, serial_chunks
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
-PHASE1_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=False)
+# phase 1 at 2 warps: 2.21 ms against 2.67 at 4 warps, (1, 8192, 96) on the H200 (docs/benchmarks.md, 2026-12-01)
+PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False)
 
 
 def sub_block(chunk: int) -> int:
