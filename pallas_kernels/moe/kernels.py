@@ -38,7 +38,8 @@ class Tiles:
       quantised decode GEMMs do; the epilogue transposes back;
     - split: no nibble interleave in registers: the even and odd elements of each bk block are two dots of
       bk/2 each, against the activation's even and odd columns (the wrapper reorders the activation's
-      columns once per call so that both halves are contiguous loads)."""
+      columns once per call so that both halves are contiguous loads).
+    Neither is faster on the H200 (2026-12-01, docs/benchmarks.md): both stay off by default."""
     bn: int
     bk: int
     num_warps: int = 4
