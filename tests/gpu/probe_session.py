@@ -1,5 +1,6 @@
 """GPU probe (2026-11-29 session): (A) the decode test's N = 32 failure: kernel vs the op on the GPU and
-on the host CPU, active and inactive rows apart; (B) the two-phase prefill's phase-1 share of the time;
+on the host CPU, active and inactive rows apart; (B) the two-phase prefill's phase-1 share of the time (the default,
+and the default with phase 1 at 4 warps);
 (C) MoE decode="fast" vs "exact" at K3 widths, 16 tokens: how far apart and where."""
 import os
 import sys
@@ -53,8 +54,7 @@ def part_b():
     for shape in shapes:
         b, t, h = shape
         x = prefill_inputs(b, t, h)
-        for tuning in (dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=2, phase1_warps=4),
-                       dict(phases=2, chunk=32, block_v=64, num_warps=4, num_stages=2, phase1_warps=4, u0_bf16=True)):
+        for tuning in (dict(phases=2), dict(phases=2, phase1_warps=4)):  # the default, and its 4-warp phase 1
             tn = pp._tuning(tuning)
             whole = jax.jit(lambda *a: pp.kda_prefill(*a, qk_norm=True, out_dtype=jnp.bfloat16, tuning=tuning))
             c = tn["chunk"]
