@@ -279,7 +279,7 @@ def main():
         cands = {"decode": (512, sweep_configs(kern.DECODE, [dict(bk=256)])),
                  "prefill": (4096, sweep_configs(kern.PREFILL, [dict(bk=128, num_stages=3)]))}
         for regime, (n, cs) in cands.items():
-            scores = []
+            scores, default_out = [], None  # the default tiles' output (cs[0]), once it ran
             xl, idx, w = routing(n, n)
             for c in cs:
                 if late(0.9 if args.sweep_only else 0.45):
@@ -289,10 +289,11 @@ def main():
                     scores.append((r["gate_up_s"] + r["down_s"], c))
                     RESULTS["sweep"].append({"regime": regime, "tokens": n, "config": repr(c), **r})
                     log("sweep", regime, n, c, r)
-                    if c != cs[0]:  # the same op: against the first (default) tiles' output
-                        record_check(n, f"sweep {regime} {c} vs default tiles",
-                                     kernel_fn(kern.fit(c, L, F))(xl, idx, w, ex),
-                                     kernel_fn(kern.fit(cs[0], L, F))(xl, idx, w, ex))
+                    got = kernel_fn(kern.fit(c, L, F))(xl, idx, w, ex)  # the program just timed
+                    if c == cs[0]:
+                        default_out = got
+                    elif default_out is not None:  # the same op: against the default tiles' output
+                        record_check(n, f"sweep {regime} {c} vs default tiles", got, default_out)
                 except Exception as exc:  # noqa: BLE001
                     RESULTS["errors"].append(f"sweep {regime} {c}: {type(exc).__name__}: {str(exc)[:400]}")
                     log("sweep failed", regime, c, str(exc)[:400])

@@ -109,7 +109,7 @@ def test_kernel_equals_pure_op(config, n, k, kind):
 
 # The MMA shapings of `Tiles` (swap: weights as the left operand; split: even/odd halves, no interleave),
 # each in both regimes: the same op, so the same tolerance against the pure op.
-VARIANTS = {f"{regime}-{name}": TileConfig(bm, Tiles(32, 64, swap=swap, split=split), Tiles(32, 64, swap=swap, split=split))
+VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=split),) * 2)
             for regime, bm in (("decode", 16), ("prefill", 128))
             for name, swap, split in (("swap", True, False), ("split", False, True), ("swap-split", True, True))}
 
@@ -125,8 +125,17 @@ def test_mma_variants_equal_pure_op(config, n, k, kind):
 
 
 def test_split_needs_whole_scale_groups_per_half():
-    with pytest.raises(ValueError, match="split needs bk >= 64"):
+    with pytest.raises(ValueError, match="bk=32 must be a multiple of 64 \\(split"):
         check_tiles("down", 64, 128, Tiles(32, 32, split=True))
+    assert kern.fit(TileConfig(16, Tiles(32, 128, split=True), Tiles(32, 64, split=True)), 64, 128).gate_up.bk == 64
+
+
+def test_unknown_decode_is_named():
+    rng = np.random.default_rng(1)
+    idx, w = _routing(rng, 2, 4, "random")
+    with pytest.raises(ValueError, match="gate_up: decode='fastest' is not one of"):
+        kern.routed_experts(jnp.zeros((2, L), jnp.bfloat16), idx, w, _experts(rng), BETA, LINEAR_BETA,
+                            config=DECODE, interpret=True, decode="fastest")
 
 
 def test_split_columns_puts_each_blocks_even_columns_first():

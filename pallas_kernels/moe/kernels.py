@@ -47,6 +47,11 @@ class Tiles:
     swap: bool = False
     split: bool = False
 
+    @property
+    def min_bk(self) -> int:
+        """The smallest bk: one scale group, or with split one group per half."""
+        return dec.GROUP * (2 if self.split else 1)
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -72,9 +77,10 @@ def split_columns(a: jax.Array, bk: int) -> jax.Array:
 
 def _block_product(act_ref, act_rows, w_p_ref, w_s_ref, e, n, kb, *, bk, decode, swap, split):
     """One K block's product of the activation rows with expert e's decoded weight rows n: [bm, bn], or
-    [bn, bm] with swap. act columns are in `split_columns` order when split."""
+    [bn, bm] with swap. act columns are in `split_columns` order when split; decode is a
+    `decode.DECODERS` pair."""
     kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
-    full, halves = dec.DECODERS[decode]
+    full, halves = decode
     if split:
         ws = halves(w_p_ref[e, n, kp], w_s_ref[e, n, ks])
         acts = (act_ref[act_rows, pl.ds(kb * bk, bk // 2)], act_ref[act_rows, pl.ds(kb * bk + bk // 2, bk // 2)])
@@ -132,10 +138,16 @@ def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
     for name, size, dim in (("bn", tiles.bn, n), ("bk", tiles.bk, k)):
         if size < 16 or size & (size - 1) or dim % size:
             raise ValueError(f"{what}: {name}={size} must be a power of two >= 16 dividing {dim}")
-    if tiles.bk % dec.GROUP:
-        raise ValueError(f"{what}: bk={tiles.bk} must be a multiple of {dec.GROUP}")
-    if tiles.split and tiles.bk < 2 * dec.GROUP:
-        raise ValueError(f"{what}: split needs bk >= {2 * dec.GROUP}, got {tiles.bk}")
+    if tiles.bk % tiles.min_bk:
+        raise ValueError(f"{what}: bk={tiles.bk} must be a multiple of {tiles.min_bk}"
+                         + (" (split: one scale group per half)" if tiles.split else ""))
+
+
+def _decoders(what: str, name: str):
+    """The `decode.DECODERS` pair for `name`, or a ValueError naming the kernel and the choices."""
+    if name not in dec.DECODERS:
+        raise ValueError(f"{what}: decode={name!r} is not one of {sorted(dec.DECODERS)}")
+    return dec.DECODERS[name]
 
 
 def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, bm: int, tiles: Tiles,
@@ -145,11 +157,9 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
     latent = 2 * half
     check_tiles("gate_up", f, latent, tiles)
     slots = slot_token.shape[0]
-    if decode not in dec.DECODERS:
-        raise ValueError(f"gate_up: decode={decode!r} is not one of {sorted(dec.DECODERS)}")
     kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
-                               num_experts=num_experts, beta=beta, linear_beta=linear_beta, decode=decode,
-                               swap=tiles.swap, split=tiles.split)
+                               num_experts=num_experts, beta=beta, linear_beta=linear_beta,
+                               decode=_decoders("gate_up", decode), swap=tiles.swap, split=tiles.split)
     if tiles.split:
         x = split_columns(x, tiles.bk)
     return pl.pallas_call(
@@ -167,10 +177,9 @@ def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret
     f = 2 * half
     check_tiles("down", latent, f, tiles)
     slots = h.shape[0]
-    if decode not in dec.DECODERS:
-        raise ValueError(f"down: decode={decode!r} is not one of {sorted(dec.DECODERS)}")
     kernel = functools.partial(_down_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=f // tiles.bk,
-                               num_experts=num_experts, decode=decode, swap=tiles.swap, split=tiles.split)
+                               num_experts=num_experts, decode=_decoders("down", decode), swap=tiles.swap,
+                               split=tiles.split)
     if tiles.split:
         h = split_columns(h, tiles.bk)
     return pl.pallas_call(

@@ -32,7 +32,7 @@ def fit(config: TileConfig, latent: int, width: int) -> TileConfig:
         bn, bk = t.bn, t.bk
         while bn > 16 and n % bn:
             bn //= 2
-        while bk > (64 if t.split else 32) and k % bk:  # split: two halves of whole scale groups
+        while bk > t.min_bk and k % bk:
             bk //= 2
         return dataclasses.replace(t, bn=bn, bk=bk)
     return TileConfig(config.bm, shrink(config.gate_up, width, latent), shrink(config.down, latent, width))
