@@ -6,7 +6,7 @@ Per token count (uniform top-16 of 896 routing): our kernels (gate+up with SiTU,
 and the whole `routed_experts` incl. dispatch and combine) as TB/s of the active experts' MXFP4 bytes and
 TFLOP/s of dequantised bf16 math; a diagnostic run of the same kernels with the decode replaced by a bare
 reinterpretation of the bytes (wrong values, same reads: the gap is the decode's ALU cost) and with
-decode="exact" (the longer decode of the same bits; the default is "fast"), both at
+decode="exact" (the longer decode of the same bits; the default is "asm"), both at
 16, 512 and 16384 tokens; peers in the
 same process: `torch._grouped_mm` on bf16 weights (gate+up fused N = 6144, and down), `lax.ragged_dot` on
 dequantised bf16 weights, and a dense batched einsum with a dropless capacity (the largest group) on

@@ -16,6 +16,7 @@ from kimik3_jax.presets import preset
 from pallas_kernels.moe import decode as dec
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed as kern
+from pallas_kernels.moe import kernels as kern_mod
 from pallas_kernels.moe.kernels import TileConfig, Tiles, check_tiles, split_columns
 
 E, F, L = 16, 128, 64  # experts, expert width, latent width
@@ -179,7 +180,7 @@ def _wide_scale_experts(rng):
                                                   (PREFILL, 24, 4, "random", True)],
                          ids=["decode-uneven-wide", "decode-one-expert", "prefill-wide"])
 def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, wide):
-    """decode="fast" (the default) against decode="exact": interpreted, the same weights reach the same
+    """decode="fast" against decode="exact": interpreted, the same weights reach the same
     dots, so every output bit agrees (uneven and empty groups, all tokens on one expert, scale bytes 1..254)."""
     rng = np.random.default_rng([n, k, 3])
     experts = _wide_scale_experts(rng) if wide else _experts(rng)
@@ -190,6 +191,17 @@ def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, wide):
     exact, fast = run("exact"), run("fast")
     assert np.isfinite(exact).all() and np.abs(exact).max() > 0
     np.testing.assert_array_equal(fast.view(np.uint32), exact.view(np.uint32))
+
+
+def test_gpu_only_decode_has_a_bit_identical_stand_in():
+    """decode="asm" (PTX, the default) compiles for the GPU only: the interpreter, and tiles whose threads
+    would hold fewer than 4 packed bytes each, run "exact" (the same bits; the GPU tests check the asm)."""
+    big, small = Tiles(64, 256), Tiles(16, 32)
+    assert kern_mod._decoders("gate_up", "asm", big, interpret=False) == dec.DECODERS["asm"]
+    assert kern_mod._decoders("gate_up", "asm", big, interpret=True) == dec.DECODERS["exact"]
+    assert kern_mod._decoders("down", "asm", small, interpret=False) == dec.DECODERS["exact"]
+    assert kern_mod._decoders("down", "fast", small, interpret=True) == dec.DECODERS["fast"]
+    assert kern_mod.DEFAULT_DECODE == "asm"
 
 
 def test_out_of_range_expert_ids_are_skipped():

@@ -11,13 +11,15 @@ pattern 0x40. Exact for every nibble and scale bytes 1..254; byte 0 is exact for
 release uses it), while its subnormal values 0.5 and 1.5 * 2^-127 round to 2^-127. Byte 255 (E8M0
 NaN) is refused when weights are loaded (`mxfp4.check_scales`); here it decodes as inf.
 
-`decode_fast` gets the same bits with fewer integer operations (see its docstring).
+`decode_fast` gets the same bits with fewer integer operations (see its docstring); `decode_asm` with
+fewer still, in PTX (GPU only; see its docstring).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
 
 GROUP = 32  # elements per scale byte
 _BIAS = 0x3E80 - (127 << 7)  # 0x3F00 - 2 * 0x40, minus the E8M0 bias in the bf16 exponent field
@@ -112,6 +114,56 @@ def decode_fast_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, 
     return lo, hi
 
 
+# One instance per 4 packed bytes q = b0..b3 ($4): $0-$3 are bytes 0-3's two elements as bf16x2 (low
+# nibble's element in the low half), $5-$8 and $9-$12 each byte's two factors as bf16x2. A nibble s e1 e0 m
+# at bits 12-15 (or 28-31) of a word w becomes the bf16 bits s << 15 | e1 e0 m << 6 by (w & 0x8000) |
+# (w & 0x7000) >> 6, in both halves at once: the bf16 of value * 2^-126 (E2M1's subnormal 0.5 lands on
+# bf16's subnormal 2^-127). q, q << 4, q << 8, q << 12 bring (hi1, hi3), (lo1, lo3), (hi0, hi2), (lo0, lo2)
+# there; prmt regroups them by byte; two exact bf16x2 multiplies (fma with -0, which keeps zeros' signs)
+# scale by 2^(s - 1). 32-bit results: Triton's unpacking of 16-bit results packed in pairs put elements
+# out of order on the H200 (jax 0.11.2, 2026-12-02), its unpacking of 32-bit ones is one value per element.
+def _place(dst: str, shift: int) -> str:
+    return (f"shl.b32 w, $4, {shift}; and.b32 t, w, 0x70007000; shr.b32 t, t, 6; and.b32 m, w, 0x80008000; "
+            f"or.b32 {dst}, t, m; ")
+
+
+_ASM = ("{ .reg .b32 w, t, m, a, b, c, d, z; mov.b32 z, 0x80008000; "
+        + _place("a", 0) + _place("b", 4) + _place("c", 8) + _place("d", 12)
+        + "prmt.b32 $0, d, c, 0x5410; prmt.b32 $1, b, a, 0x5410; prmt.b32 $2, d, c, 0x7632; "
+          "prmt.b32 $3, b, a, 0x7632; "
+        + "".join(f"fma.rn.bf16x2 ${k}, ${k}, ${5 + k}, z; fma.rn.bf16x2 ${k}, ${k}, ${9 + k}, z; " for k in range(4))
+        + "}")
+ASM_PACK = 4  # bytes per asm instance: a thread must hold a multiple of 4 of the packed tile's bytes
+
+
+def decode_asm_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Same bits as `decode_halves` for scale bytes 1..254, in about 4 instructions per element (PTX through
+    `pltriton.elementwise_inline_asm`; compiled for the GPU only, no interpreter). Each byte's nibbles are
+    placed as the bf16 of value * 2^-126 (exact, zeros and E2M1's subnormal included), then multiplied by
+    2^(min(s, 128) - 1) and by 2^(max(s, 128) - 128): both factors are bf16 numbers and both products exact
+    (+-inf from 2^128 on, as `mxfp4.dequantize`). Byte 0 gives the exact values times 2^-127 (the other
+    decoders round its subnormal results); byte 255 gives +-inf and zeros (refused on load)."""
+    rows, half = packed.shape
+    groups = scale.shape[1]
+    s = scale.astype(jnp.uint32)
+
+    def per_byte(e):  # exponent field [r, groups] -> the factor as bf16x2 bits per byte [r, c/2]
+        bits = (e << 7) | (e << 23)
+        return jnp.broadcast_to(bits[:, :, None], (rows, groups, half // groups)).reshape(rows, half)
+
+    f1 = per_byte(jnp.minimum(s, jnp.uint32(128)) + jnp.uint32(126))
+    f2 = per_byte(jnp.maximum(s, jnp.uint32(128)) - jnp.uint32(1))
+    pairs = pltriton.elementwise_inline_asm(
+        _ASM, args=[packed, f1, f2], constraints="=r,=r,=r,=r," + ",".join(["r"] * 9), pack=ASM_PACK,
+        result_shape_dtypes=[jax.ShapeDtypeStruct((rows, half), jnp.int32)])[0]  # signless i32 (ui32 is refused)
+    return _bf16(pairs), _bf16(jax.lax.shift_right_logical(pairs, 16))  # _bf16 keeps the low 16 bits
+
+
+def decode_asm(packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """`decode_asm_halves` in element order (GPU only)."""
+    return interleave(*decode_asm_halves(packed, scale))
+
+
 def reinterpret_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """NOT a decode: the same bytes turned into bf16 with the fewest operations (wrong values). Only for
     the benchmark's diagnostic run that separates the cost of reading bytes from the cost of decoding."""
@@ -127,4 +179,7 @@ def reinterpret(packed: jax.Array, scale: jax.Array) -> jax.Array:
 
 # name -> (decode into element order [r, c], decode into (even, odd) halves [r, c/2] each)
 DECODERS = {"exact": (decode, decode_halves), "fast": (decode_fast, decode_fast_halves),
-            "reinterpret": (reinterpret, reinterpret_halves)}
+            "asm": (decode_asm, decode_asm_halves), "reinterpret": (reinterpret, reinterpret_halves)}
+# Decoders that only compile for the GPU, and the decoder with the same bits that stands in for them in the
+# interpreter (and for tiles too small for their packing).
+GPU_ONLY = {"asm": "exact"}

@@ -128,9 +128,10 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
         y_ref[slots, n] = (acc.T if swap else acc) * slot_weight_ref[slots][:, None]
 
 
-# "fast" (decode.decode_fast): the same bits as "exact" with fewer integer operations (bit-identical for
-# every byte and scale 1..254, compiled on the H200 too); 1.3-2.1x faster kernels there (docs/benchmarks.md).
-DEFAULT_DECODE = "fast"
+# "asm" (decode.decode_asm, PTX): the same bits as "exact" (every byte and scale 1..254, and whole paths at
+# K3 widths, compiled on the H200) in about 4 instructions per element; at 16 tokens gate+up 1.92x and down
+# 1.54x faster than "fast" there (2026-12-02, docs/benchmarks.md). The interpreter runs "exact" in its place.
+DEFAULT_DECODE = "asm"
 
 
 def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
@@ -143,10 +144,14 @@ def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
                          + (" (split: one scale group per half)" if tiles.split else ""))
 
 
-def _decoders(what: str, name: str):
-    """The `decode.DECODERS` pair for `name`, or a ValueError naming the kernel and the choices."""
+def _decoders(what: str, name: str, tiles: Tiles, interpret: bool):
+    """The `decode.DECODERS` pair for `name`, or a ValueError naming the kernel and the choices. A GPU-only
+    decoder ("asm") runs as its bit-identical stand-in (`decode.GPU_ONLY`) in the interpreter and for tiles
+    whose threads would hold fewer packed bytes than one asm instance takes."""
     if name not in dec.DECODERS:
         raise ValueError(f"{what}: decode={name!r} is not one of {sorted(dec.DECODERS)}")
+    if name in dec.GPU_ONLY and (interpret or tiles.bn * tiles.bk // 2 < dec.ASM_PACK * 32 * tiles.num_warps):
+        name = dec.GPU_ONLY[name]
     return dec.DECODERS[name]
 
 
@@ -156,16 +161,17 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
     num_experts, f, half = w1p.shape
     latent = 2 * half
     check_tiles("gate_up", f, latent, tiles)
+    interpret = resolve_interpret(interpret)
     slots = slot_token.shape[0]
     kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
                                num_experts=num_experts, beta=beta, linear_beta=linear_beta,
-                               decode=_decoders("gate_up", decode), swap=tiles.swap, split=tiles.split)
+                               decode=_decoders("gate_up", decode, tiles, interpret), swap=tiles.swap, split=tiles.split)
     if tiles.split:
         x = split_columns(x, tiles.bk)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((slots, f), x.dtype), grid=(slots // bm, f // tiles.bn),
         compiler_params=_CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=resolve_interpret(interpret), name="moe_gate_up_mxfp4",
+        interpret=interpret, name="moe_gate_up_mxfp4",
     )(tile_expert, slot_token, x, w1p, w1s, w3p, w3s)
 
 
@@ -176,9 +182,10 @@ def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret
     num_experts, latent, half = w2p.shape
     f = 2 * half
     check_tiles("down", latent, f, tiles)
+    interpret = resolve_interpret(interpret)
     slots = h.shape[0]
     kernel = functools.partial(_down_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=f // tiles.bk,
-                               num_experts=num_experts, decode=_decoders("down", decode), swap=tiles.swap,
+                               num_experts=num_experts, decode=_decoders("down", decode, tiles, interpret), swap=tiles.swap,
                                split=tiles.split)
     if tiles.split:
         h = split_columns(h, tiles.bk)
@@ -186,5 +193,5 @@ def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret
         kernel, out_shape=jax.ShapeDtypeStruct((slots, latent), jnp.float32),
         grid=(slots // bm, latent // tiles.bn),
         compiler_params=_CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=resolve_interpret(interpret), name="moe_down_mxfp4",
+        interpret=interpret, name="moe_down_mxfp4",
     )(tile_expert, slot_weight, h, w2p, w2s)

@@ -13,10 +13,11 @@ from kimik3_jax.ops.impl import Unsupported, register
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe.kernels import DEFAULT_DECODE, TileConfig, Tiles, check_tiles, down, gate_up
 
-# First choices, not yet tuned on the GPU: benchmarks/moe.py sweeps alternatives at K3's widths
-# (latent 3584, expert 3072); see docs/benchmarks.md.
-DECODE = TileConfig(bm=16, gate_up=Tiles(bn=64, bk=128, num_warps=4, num_stages=4),
-                    down=Tiles(bn=64, bk=128, num_warps=4, num_stages=4))
+# From H200 sweeps at K3's widths (latent 3584, expert 3072; docs/benchmarks.md). Decode: with the asm decode,
+# bk 256 and 3 stages beat bk 128 / 4 stages by 9% (gate+up) and 8% (down) at 16 tokens, 9% / 18% at 512
+# (tests/gpu/probe_streaming.py part T, 2026-12-02).
+DECODE = TileConfig(bm=16, gate_up=Tiles(bn=64, bk=256, num_warps=4, num_stages=3),
+                    down=Tiles(bn=64, bk=256, num_warps=4, num_stages=3))
 PREFILL = TileConfig(bm=128, gate_up=Tiles(bn=128, bk=64, num_warps=8, num_stages=3),
                      down=Tiles(bn=128, bk=64, num_warps=8, num_stages=3))
 DECODE_MAX_ROWS = 32  # mean pairs per expert up to which weight streaming (bm 16) wins
@@ -72,9 +73,10 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
                    interpret=None, decode=DEFAULT_DECODE):
     """Same contract as `kimik3_jax.ops.moe.routed_experts` (bf16 xl [N, L], packed experts of one layer)
     -> [N, L] float32. `strategy` is the pure op's and is ignored: the tiles follow the number of pairs per
-    expert (`choose_config`) unless `config` is given. `decode` picks the in-register MXFP4 decode: "fast"
-    (the default, decode.decode_fast) and "exact" (decode.decode) give the same bits, "fast" with fewer
-    integer operations; "reinterpret" is a benchmark diagnostic (wrong values)."""
+    expert (`choose_config`) unless `config` is given. `decode` picks the in-register MXFP4 decode: "asm"
+    (the default, decode.decode_asm: PTX, GPU only, "exact" in the interpreter), "fast" (decode.decode_fast)
+    and "exact" (decode.decode) give the same bits with fewer or more integer operations; "reinterpret" is a
+    benchmark diagnostic (wrong values)."""
     del strategy
     n, k = idx.shape
     num_experts, width, half = experts.w1_packed.shape

@@ -1,0 +1,211 @@
+"""GPU probe (2026-12-02): where the bandwidth-bound kernels (MoE weight streaming, KDA decode) lose bandwidth.
+
+(S) Pure streaming kernels, no decode and no MMA: one program per (tile, N block) walks its expert's rows
+    over K as the gate+up kernel does, reading the packed weights either as uint8 blocks [bn, bk/2] (as
+    the kernels do now) or the same bytes as uint32 blocks [bn, bk/8]; TB/s on the bytes read.
+(K) The gate+up kernel itself at the decode tiles (fast decode and the no-decode diagnostic), same run.
+(B) Whether XLA's uint8 -> uint32 bitcast of a weight array is free (no copy) under jit.
+(P) The PTX of the gate+up kernel (XLA dump): load / store / MMA instruction counts by kind.
+(T) The decode-regime tiles (bn, bk, warps, stages) of gate+up and down at K3 widths (T_TOKENS, default 16),
+    with the fast and the asm decodes (T_DECODES), each checked against the default tiles' exact-decode output: larger blocks
+    per K step, as (S) suggests.
+(D) KDA decode at N = 32, H = 96: the kernel alone (the loop carries only the state pool, so the conv-tail
+    scatter is dead code) against the whole step, for value tiles and warp counts beyond the benchmark's.
+
+    python3 tests/gpu/probe_streaming.py [SKBPD]      # writes $OUT/moe_gate_up.ptx when P runs
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from functools import partial
+
+sys.path.insert(0, "benchmarks")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from moe import E, F, L, _random_experts, copy_bandwidth, routing, timeit  # noqa: E402
+from pallas_kernels.moe import dispatch as dsp  # noqa: E402
+from pallas_kernels.moe import routed as kern  # noqa: E402
+from pallas_kernels.moe.kernels import _CompilerParams, down, gate_up  # noqa: E402
+
+SMALL = bool(os.environ.get("PROBE_SMALL"))
+NE = 16 if SMALL or os.environ.get("PROBE_DUMP_CHILD") else E
+LL, FF = (256, 128) if SMALL else (L, F)
+TILES = 8 if SMALL else 222  # active experts at 16 tokens, top-16 of 896
+
+
+def _stream_kernel(te_ref, w_ref, o_ref, *, bn, bw, num_k, wide):
+    t, j = pl.program_id(0), pl.program_id(1)
+    e = te_ref[t]
+    n = pl.ds(j * bn, bn)
+
+    def step(kb, acc):
+        w = w_ref[e, n, pl.ds(kb * bw, bw)]
+        return acc + (jax.lax.bitcast_convert_type(w, jnp.int32) if wide else w.astype(jnp.int32))
+
+    acc = jax.lax.fori_loop(0, num_k, step, jnp.zeros((bn, bw), jnp.int32))
+    o_ref[t, n] = jnp.sum(acc, axis=1)
+
+
+def stream(w, te, bn, bk, warps, stages, wide):
+    """w uint8 [E, F, L/2] (or its uint32 view [E, F, L/8] when wide) -> [T, F] int32 row sums."""
+    per = 8 if wide else 2  # elements per stored word
+    bw = bk // per
+    kernel = partial(_stream_kernel, bn=bn, bw=bw, num_k=w.shape[2] // bw, wide=wide)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((te.shape[0], w.shape[1]), jnp.int32),
+                          grid=(te.shape[0], w.shape[1] // bn), interpret=SMALL,
+                          compiler_params=_CompilerParams(num_warps=warps, num_stages=stages))(te, w)
+
+
+def part_s():
+    bw = copy_bandwidth(2 ** 24 if SMALL else 2 ** 30)
+    print(f"S copy bandwidth {bw:.2f} TB/s", flush=True)
+    w8 = jax.random.bits(jax.random.PRNGKey(0), (NE, FF, LL // 2), jnp.uint8)
+    w32 = jax.jit(lambda a: jax.lax.bitcast_convert_type(a.reshape(NE, FF, LL // 8, 4), jnp.uint32))(w8)
+    te = jnp.sort(jax.random.choice(jax.random.PRNGKey(1), NE, (TILES,), replace=False)).astype(jnp.int32)
+    nbytes = TILES * FF * LL // 2
+    ref = None
+    for bn, bk, warps, stages in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 512, 4, 3), (128, 256, 4, 4),
+                                  (32, 512, 4, 4), (64, 256, 8, 4), (64, 1024, 4, 2)):
+        for wide in (False, True):
+            if bk > LL:
+                continue
+            f = jax.jit(partial(stream, bn=bn, bk=bk, warps=warps, stages=stages, wide=wide))
+            try:
+                out = f(w32 if wide else w8, te)
+                s = timeit(f, w32 if wide else w8, te)
+            except Exception as err:  # noqa: BLE001 (a probe: report and go on)
+                print(f"S bn{bn} bk{bk} {warps}w {stages}st {'u32' if wide else 'u8'}: {type(err).__name__} "
+                      f"{str(err)[:200]}", flush=True)
+                continue
+            # same bytes, same sums mod 2^32 only for u8 (u32 adds words): check u8 vs numpy once
+            if ref is None and not wide:
+                want = np.asarray(w8)[np.asarray(te)].astype(np.int64).sum(-1)
+                ok = np.array_equal(np.asarray(out).astype(np.int64), want)
+                print(f"S check u8 sums equal numpy: {ok}", flush=True)
+                ref = True
+            print(f"S bn{bn} bk{bk} {warps}w {stages}st {'u32' if wide else 'u8 '}: {s * 1e6:8.1f} us "
+                  f"{nbytes / s / 1e12:.2f} TB/s", flush=True)
+
+
+def part_k():
+    ex = _random_experts(jax.random.PRNGKey(2), NE)
+    xl, idx, w = routing(16, 16)
+    if SMALL:
+        xl = xl[:, :LL]
+    idx = idx % NE
+    cfg = kern.fit(kern.DECODE, LL, FF)
+    lo = dsp.block_layout(idx, w, NE, cfg.bm)
+    nbytes = kern.active_bytes(idx, LL, FF)["gate_up"]
+    for decode in ("fast", "reinterpret"):
+        f = jax.jit(lambda x, lo, ex: gate_up(x, lo.tile_expert, lo.slot_token, ex.w1_packed, ex.w1_scale,
+                                              ex.w3_packed, ex.w3_scale, 4.0, 25.0, cfg.bm, cfg.gate_up,
+                                              SMALL, decode))
+        s = timeit(f, xl, lo, ex)
+        print(f"K gate_up {decode}: {s * 1e6:.1f} us {nbytes / s / 1e12:.2f} TB/s", flush=True)
+
+
+T_TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 3), (64, 512, 8, 3), (32, 256, 4, 3), (32, 512, 4, 3),
+           (32, 512, 8, 3), (16, 512, 4, 3), (128, 256, 8, 3)]
+
+
+def part_t():
+    from dataclasses import replace
+    ex = _random_experts(jax.random.PRNGKey(2), NE)
+    base = kern.fit(kern.DECODE, LL, FF)
+    decodes = os.environ.get("T_DECODES", "fast,asm").split(",")
+    tiles = T_TILES[:2] if SMALL else T_TILES
+    for tokens in [int(t) for t in os.environ.get("T_TOKENS", "16").split(",")]:
+        xl, idx, w = routing(tokens, tokens)
+        if SMALL:
+            xl = xl[:, :LL]
+        idx = idx % NE
+        lo = dsp.block_layout(idx, w, NE, base.bm)
+        nb = kern.active_bytes(idx, LL, FF)
+        ref_h = ref_y = None
+        # the default tiles with the exact decode first: every row is checked against its output
+        for (bn, bk, warps, stages), decode in [(tiles[0], "exact")] + [(t, d) for t in tiles for d in decodes]:
+            t = kern.Tiles(bn=bn, bk=bk, num_warps=warps, num_stages=stages)
+            cfg = kern.fit(replace(base, gate_up=t, down=t), LL, FF)
+            gu = jax.jit(lambda x, lo, ex, c=cfg: gate_up(x, lo.tile_expert, lo.slot_token, ex.w1_packed,
+                                                          ex.w1_scale, ex.w3_packed, ex.w3_scale, 4.0, 25.0, c.bm,
+                                                          c.gate_up, SMALL, decode))
+            dn = jax.jit(lambda h, lo, ex, c=cfg: down(h, lo.tile_expert, lo.slot_weight, ex.w2_packed, ex.w2_scale,
+                                                       c.bm, c.down, SMALL, decode))
+            try:
+                h = gu(xl, lo, ex)
+                y = dn(h, lo, ex)
+                tg, td = timeit(gu, xl, lo, ex), timeit(dn, h, lo, ex)
+            except Exception as err:  # noqa: BLE001
+                print(f"T {tokens} {cfg.gate_up}: {type(err).__name__} {str(err)[:200]}", flush=True)
+                continue
+            used = np.asarray(lo.slot_weight) != 0  # unused slots' rows are never written
+            hh, yy = np.asarray(h, np.float32)[used], np.asarray(y, np.float32)[used]
+            if ref_h is None:
+                ref_h, ref_y = hh, yy
+            eh = float(np.abs(hh - ref_h).max() / np.abs(ref_h).max())
+            ey = float(np.abs(yy - ref_y).max() / np.abs(ref_y).max())
+            print(f"T {tokens} tok {decode:4s} bn{cfg.gate_up.bn} bk{cfg.gate_up.bk} {warps}w {stages}st: gate_up {tg * 1e6:8.1f} us "
+                  f"{nb['gate_up'] / tg / 1e12:.2f} TB/s, down bn{cfg.down.bn} bk{cfg.down.bk} {td * 1e6:8.1f} us "
+                  f"{nb['down'] / td / 1e12:.2f} TB/s; vs default exact {eh:.1e} / {ey:.1e}", flush=True)
+
+
+def part_b():
+    w8 = jnp.zeros((64, FF, LL // 2), jnp.uint8)
+    f = jax.jit(lambda a: jax.lax.bitcast_convert_type(a.reshape(64, FF, LL // 8, 4), jnp.uint32))
+    hlo = f.lower(w8).compile().as_text()
+    ops = sorted(set(re.findall(r"= \S+ (\w[\w-]*)\(", hlo)))
+    print(f"B compiled ops of the uint8->uint32 view: {ops}", flush=True)
+    print(f"B time for {w8.nbytes / 1e9:.2f} GB: {timeit(f, w8) * 1e6:.1f} us", flush=True)
+
+
+def part_p():
+    out = os.environ.get("OUT", "/tmp/out")
+    dump = "/tmp/moe_dump"
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}", PROBE_DUMP_CHILD="1")
+    subprocess.run([sys.executable, __file__, "K"], env=env, check=True)
+    files = [p for p in glob.glob(f"{dump}/*.ptx") if "moe_gate_up" in open(p).read()]
+    print(f"P ptx files with the kernel: {files}", flush=True)
+    for p in files[:1]:
+        text = open(p).read()
+        os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, "moe_gate_up.ptx"), "w").write(text)
+        counts = Counter(m.group(1) for m in re.finditer(r"^\s*(?:@%p\d+\s+)?((?:ld|st|cp|mma|ldmatrix|wgmma|"
+                                                          r"bar|prmt|lop3|cvt)[\w.:]*)", text, re.M))
+        for k, v in sorted(counts.items()):
+            print(f"P   {k}: {v}", flush=True)
+
+
+def part_d():
+    from kda import bench_jax, decode_inputs
+    from pallas_kernels.kda.decode import kda_decode
+    n, h = (2, 2) if SMALL else (32, 96)
+    qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, h)
+    kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0, interpret=SMALL or None)
+    steps = 2 if SMALL else 100
+    nbytes = 2 * s_pool.size * 4
+    for tuning in (None, dict(block_v=32, num_warps=1), dict(block_v=32, num_warps=2), dict(block_v=32, num_warps=4),
+                   dict(block_v=64, num_warps=2), dict(block_v=16, num_warps=1), dict(block_v=64, num_warps=1)):
+        step = lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t,
+                                                  **kw)
+        whole = jax.jit(lambda cp, sp, step=step: jax.lax.fori_loop(0, steps, lambda i, c: step(*c)[1:], (cp, sp)))
+        alone = jax.jit(lambda sp, step=step: jax.lax.fori_loop(0, steps, lambda i, s: step(conv_pool, s)[2], sp))
+        try:
+            tw = bench_jax(whole, conv_pool, s_pool, reps=5) / steps
+            ta = bench_jax(alone, s_pool, reps=5) / steps
+        except Exception as err:  # noqa: BLE001
+            print(f"D {tuning}: {type(err).__name__} {str(err)[:200]}", flush=True)
+            continue
+        print(f"D {tuning}: step {1e3 * tw:.1f} us ({nbytes / tw / 1e9:.2f} TB/s), kernel alone {1e3 * ta:.1f} us "
+              f"({nbytes / ta / 1e9:.2f} TB/s)", flush=True)
+
+
+if __name__ == "__main__":
+    parts = sys.argv[1] if len(sys.argv) > 1 else "SKBP"
+    for p in parts:
+        globals()[f"part_{p.lower()}"]()
