@@ -1,6 +1,6 @@
 """The MXFP4 MoE kernels compiled for the GPU (not interpreted): the CPU suite's cases (tests/test_moe_kernels.py),
-every decode bit for bit against the reference (every byte and scale), decode="fast" (the default) and
-"asm" against decode="exact" on whole paths, and the whole latent
+every decode bit for bit against the reference (every byte and scale), decode="fast" and "asm" (the
+default) against decode="exact" on whole paths, and the whole latent
 MoE through the switch. The benchmark shapes (K3 widths, 896 experts) are checked by
 benchmarks/moe.py in the same run as the timings."""
 
