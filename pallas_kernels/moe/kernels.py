@@ -165,7 +165,8 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
     slots = slot_token.shape[0]
     kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
                                num_experts=num_experts, beta=beta, linear_beta=linear_beta,
-                               decode=_decoders("gate_up", decode, tiles, interpret), swap=tiles.swap, split=tiles.split)
+                               decode=_decoders("gate_up", decode, tiles, interpret), swap=tiles.swap,
+                               split=tiles.split)
     if tiles.split:
         x = split_columns(x, tiles.bk)
     return pl.pallas_call(
@@ -185,8 +186,8 @@ def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret
     interpret = resolve_interpret(interpret)
     slots = h.shape[0]
     kernel = functools.partial(_down_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=f // tiles.bk,
-                               num_experts=num_experts, decode=_decoders("down", decode, tiles, interpret), swap=tiles.swap,
-                               split=tiles.split)
+                               num_experts=num_experts, decode=_decoders("down", decode, tiles, interpret),
+                               swap=tiles.swap, split=tiles.split)
     if tiles.split:
         h = split_columns(h, tiles.bk)
     return pl.pallas_call(

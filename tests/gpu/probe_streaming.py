@@ -5,21 +5,17 @@
     the kernels do now) or the same bytes as uint32 blocks [bn, bk/8]; TB/s on the bytes read.
 (K) The gate+up kernel itself at the decode tiles (fast decode and the no-decode diagnostic), same run.
 (B) Whether XLA's uint8 -> uint32 bitcast of a weight array is free (no copy) under jit.
-(P) The PTX of the gate+up kernel (XLA dump): load / store / MMA instruction counts by kind.
 (T) The decode-regime tiles (bn, bk, warps, stages) of gate+up and down at K3 widths (T_TOKENS, default 16),
-    with the fast and the asm decodes (T_DECODES), each checked against the default tiles' exact-decode output: larger blocks
-    per K step, as (S) suggests.
+    with the fast and the asm decodes (T_DECODES), each checked against the default tiles' exact-decode
+    output: larger blocks per K step, as (S) suggests.
 (D) KDA decode at N = 32, H = 96: the kernel alone (the loop carries only the state pool, so the conv-tail
     scatter is dead code) against the whole step, for value tiles and warp counts beyond the benchmark's.
 
-    python3 tests/gpu/probe_streaming.py [SKBPD]      # writes $OUT/moe_gate_up.ptx when P runs
+    python3 tests/gpu/probe_streaming.py [SKBTD]
 """
-import glob
 import os
 import re
-import subprocess
 import sys
-from collections import Counter
 from functools import partial
 
 sys.path.insert(0, "benchmarks")
@@ -34,7 +30,7 @@ from pallas_kernels.moe import routed as kern  # noqa: E402
 from pallas_kernels.moe.kernels import _CompilerParams, down, gate_up  # noqa: E402
 
 SMALL = bool(os.environ.get("PROBE_SMALL"))
-NE = 16 if SMALL or os.environ.get("PROBE_DUMP_CHILD") else E
+NE = 16 if SMALL else E
 LL, FF = (256, 128) if SMALL else (L, F)
 TILES = 8 if SMALL else 222  # active experts at 16 tokens, top-16 of 896
 
@@ -150,7 +146,8 @@ def part_t():
                 ref_h, ref_y = hh, yy
             eh = float(np.abs(hh - ref_h).max() / np.abs(ref_h).max())
             ey = float(np.abs(yy - ref_y).max() / np.abs(ref_y).max())
-            print(f"T {tokens} tok {decode:4s} bn{cfg.gate_up.bn} bk{cfg.gate_up.bk} {warps}w {stages}st: gate_up {tg * 1e6:8.1f} us "
+            print(f"T {tokens} tok {decode:4s} bn{cfg.gate_up.bn} bk{cfg.gate_up.bk} {warps}w {stages}st: "
+                  f"gate_up {tg * 1e6:8.1f} us "
                   f"{nb['gate_up'] / tg / 1e12:.2f} TB/s, down bn{cfg.down.bn} bk{cfg.down.bk} {td * 1e6:8.1f} us "
                   f"{nb['down'] / td / 1e12:.2f} TB/s; vs default exact {eh:.1e} / {ey:.1e}", flush=True)
 
@@ -162,23 +159,6 @@ def part_b():
     ops = sorted(set(re.findall(r"= \S+ (\w[\w-]*)\(", hlo)))
     print(f"B compiled ops of the uint8->uint32 view: {ops}", flush=True)
     print(f"B time for {w8.nbytes / 1e9:.2f} GB: {timeit(f, w8) * 1e6:.1f} us", flush=True)
-
-
-def part_p():
-    out = os.environ.get("OUT", "/tmp/out")
-    dump = "/tmp/moe_dump"
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}", PROBE_DUMP_CHILD="1")
-    subprocess.run([sys.executable, __file__, "K"], env=env, check=True)
-    files = [p for p in glob.glob(f"{dump}/*.ptx") if "moe_gate_up" in open(p).read()]
-    print(f"P ptx files with the kernel: {files}", flush=True)
-    for p in files[:1]:
-        text = open(p).read()
-        os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, "moe_gate_up.ptx"), "w").write(text)
-        counts = Counter(m.group(1) for m in re.finditer(r"^\s*(?:@%p\d+\s+)?((?:ld|st|cp|mma|ldmatrix|wgmma|"
-                                                          r"bar|prmt|lop3|cvt)[\w.:]*)", text, re.M))
-        for k, v in sorted(counts.items()):
-            print(f"P   {k}: {v}", flush=True)
 
 
 def part_d():
@@ -206,6 +186,6 @@ def part_d():
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1] if len(sys.argv) > 1 else "SKBP"
+    parts = sys.argv[1] if len(sys.argv) > 1 else "SKBTD"
     for p in parts:
         globals()[f"part_{p.lower()}"]()
