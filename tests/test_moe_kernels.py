@@ -195,12 +195,12 @@ def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, wide):
 
 def test_gpu_only_decode_has_a_bit_identical_stand_in():
     """decode="asm" (PTX, the default) compiles for the GPU only: the interpreter, and tiles whose threads
-    would hold fewer than 4 packed bytes each, run "exact" (the same bits; the GPU tests check the asm)."""
+    would hold fewer than 4 packed bytes each, run "fast" (the same bits; the GPU tests check the asm)."""
     big, small = Tiles(64, 256), Tiles(16, 32)
     assert kern_mod._decoders("gate_up", "asm", big, interpret=False) == dec.DECODERS["asm"]
-    assert kern_mod._decoders("gate_up", "asm", big, interpret=True) == dec.DECODERS["exact"]
-    assert kern_mod._decoders("down", "asm", small, interpret=False) == dec.DECODERS["exact"]
-    assert kern_mod._decoders("down", "fast", small, interpret=True) == dec.DECODERS["fast"]
+    assert kern_mod._decoders("gate_up", "asm", big, interpret=True) == dec.DECODERS["fast"]
+    assert kern_mod._decoders("down", "asm", small, interpret=False) == dec.DECODERS["fast"]
+    assert kern_mod._decoders("down", "exact", small, interpret=True) == dec.DECODERS["exact"]
     assert kern_mod.DEFAULT_DECODE == "asm"
 
 

@@ -30,8 +30,12 @@ from kimik3_jax.ops.impl import Unsupported, register
 from kimik3_jax.ops.kda import L2_EPS
 from pallas_kernels.kda.common import compiler_params, resolve_interpret
 
-# block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29)
-TUNING = dict(num_warps=4, num_stages=1, block_v=None)
+# block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29).
+# tails_in_place: write the new conv tails into their slots of the (aliased) conv pool instead of a fresh
+# [N, ...] output and a scatter after the kernel (the scatter is 15% of a step at N = 32, H = 96; probe
+# tests/gpu/probe_streaming.py part D). Off until it has run on a GPU: an earlier aliased kernel gave wrong
+# states there (docs/benchmarks.md, "Still to run" 5, has the hypothesis this version addresses).
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=False)
 
 
 def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
@@ -51,7 +55,7 @@ def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate
 
 
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
-                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps):
+                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place):
     f32 = jnp.float32
     n, h = pl.program_id(0), pl.program_id(1)
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
@@ -61,6 +65,7 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     active = lens_ref[n] > 0
     cs = pl.ds(h * dk, dk)
     keep = jnp.broadcast_to(active, (dk,))
+    row = slot if in_place else n  # the tails' row: the slot of the aliased pool, or this row of a fresh output
     ys = []
     for j in range(3):
         x = qkv_ref[n, j, cs]
@@ -70,8 +75,9 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
         for r in range(width):
             y = y + hist[r].astype(f32) * w_ref[j, cs, r].astype(f32)
         ys.append(jax.nn.silu(y).astype(act).astype(f32))
-        for r in range(width - 1):  # the tail moves by one token (an inactive row keeps its tail)
-            tails_out[n, j, r, cs] = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
+        for r in range(width - 1):  # the tail moves by one token (an inactive row keeps its tail); the value
+            # depends on the load of hist[r] from the same address, so in place the store cannot precede it
+            tails_out[row, j, r, cs] = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
     q, k, v = ys
     q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
     s = s_ref[slot, h, :, :].astype(f32) * jnp.exp(g)[:, None]  # decay first
@@ -170,42 +176,47 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     nh = s_pool.shape[1]
     lens = jnp.ones((nb,), jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     a_log_arr = jnp.zeros((nh,), jnp.float32) if a_log is None else a_log.astype(jnp.float32)
-    kernel = functools.partial(
-        _decode_kernel, lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
-        gate=a_log is not None, qk_norm=qk_norm, eps=float(eps))
-    out_shape = (jax.ShapeDtypeStruct((nb, nh, s_pool.shape[-1]), qkv.dtype),
-                 jax.ShapeDtypeStruct((nb,) + conv_pool.shape[1:], conv_pool.dtype),
-                 jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
-    # Only the state pool is updated in place. Aliasing the conv-tail pool too gave wrong states on the
-    # H200 (N = 2, H = 96: relative error 0.2, with or without donation; aliasing the state alone was
-    # exact: docs/benchmarks.md), so the kernel writes each row's new tails (221 KB per sequence at K3's
-    # widths, 4% of its state traffic) and one scatter puts them in their slots.
-    slots = slots.astype(jnp.int32)
+    in_place = bool(t["tails_in_place"])
     dv = s_pool.shape[-1]
     bv = block_v_of(t, dv)
+    if in_place and bv < dv:  # the other value tiles of a head read the tails that tile 0 would overwrite
+        raise ValueError(f"kda_decode kernel: tails_in_place needs the whole-V kernel, not block_v = {bv}")
+    kernel = functools.partial(
+        _decode_kernel, lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
+        gate=a_log is not None, qk_norm=qk_norm, eps=float(eps), in_place=in_place)
+    # By default only the state pool is updated in place: aliasing the conv-tail pool too gave wrong states
+    # on the H200 with an earlier kernel (N = 2, H = 96: relative error 0.2; docs/benchmarks.md), so the
+    # kernel writes each row's new tails (221 KB per sequence at K3's widths, 4% of its state traffic) and
+    # one scatter puts them in their slots; tuning tails_in_place aliases the conv pool instead (see TUNING).
+    out_shape = (jax.ShapeDtypeStruct((nb, nh, s_pool.shape[-1]), qkv.dtype),
+                 jax.ShapeDtypeStruct(conv_pool.shape if in_place else (nb,) + conv_pool.shape[1:], conv_pool.dtype),
+                 jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
+    slots = slots.astype(jnp.int32)
     if bv < dv:
-        return _decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr,
-                             bv=bv, eps=float(eps), tuning=t, interpret=resolve_interpret(interpret),
-                             lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
-                             gate_on=a_log is not None, qk_norm=qk_norm)
-    o, tails, s_pool = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={6: 2},
-        interpret=resolve_interpret(interpret), name="kda_decode",
-        compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
-    )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)
-    return o, conv_pool.at[slots].set(tails), s_pool
+        o, tails, s_pool = _decode_split(
+            qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv, eps=float(eps),
+            tuning=t, interpret=resolve_interpret(interpret),
+            lower_bound=float(lower_bound) if lower_bound is not None else 0.0, gate_on=a_log is not None,
+            qk_norm=qk_norm)
+    else:
+        o, tails, s_pool = pl.pallas_call(
+            kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={5: 1, 6: 2} if in_place else {6: 2},
+            interpret=resolve_interpret(interpret), name="kda_decode",
+            compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
+        )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)
+    return o, (tails if in_place else conv_pool.at[slots].set(tails)), s_pool
 
 
 def _decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, *, bv, eps,
                   tuning, interpret, lower_bound, gate_on, qk_norm):
-    """The value-split launch (grid (N, H, V // bv)), then the gated RMSNorm of the fp32 output."""
+    """The value-split launch (grid (N, H, V // bv)), then the gated RMSNorm of the fp32 output; each row's
+    new tails in a fresh [N, ...] output (only the state pool is aliased: see TUNING's tails_in_place)."""
     f32 = jnp.float32
     nb, nh, dv = qkv.shape[0], s_pool.shape[1], s_pool.shape[-1]
     kernel = functools.partial(_decode_split_kernel, bv=bv, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm)
     out_shape = (jax.ShapeDtypeStruct((nb, nh, dv), f32),
                  jax.ShapeDtypeStruct((nb,) + conv_pool.shape[1:], conv_pool.dtype),
                  jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
-    # Only the state pool is aliased, as in the whole-V launch (see there).
     o, tails, s_pool = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(nb, nh, dv // bv), input_output_aliases={6: 2},
         interpret=interpret, name="kda_decode_split",
@@ -213,4 +224,4 @@ def _decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, 
     )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta)
     o = o * jax.lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps) * norm_w.astype(f32)
     o = (o * jax.nn.sigmoid(gate.astype(f32))).astype(qkv.dtype)
-    return o, conv_pool.at[slots].set(tails), s_pool
+    return o, tails, s_pool

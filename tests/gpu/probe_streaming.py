@@ -9,7 +9,8 @@
     with the fast and the asm decodes (T_DECODES), each checked against the default tiles' exact-decode
     output: larger blocks per K step, as (S) suggests.
 (D) KDA decode at N = 32, H = 96: the kernel alone (the loop carries only the state pool, so the conv-tail
-    scatter is dead code) against the whole step, for value tiles and warp counts beyond the benchmark's.
+    scatter is dead code) against the whole step, for value tiles and warp counts beyond the benchmark's,
+    and the tails written in place (its step has no scatter).
 
     python3 tests/gpu/probe_streaming.py [SKBTD]
 """
@@ -169,8 +170,9 @@ def part_d():
     kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0, interpret=SMALL or None)
     steps = 2 if SMALL else 100
     nbytes = 2 * s_pool.size * 4
-    for tuning in (None, dict(block_v=32, num_warps=1), dict(block_v=32, num_warps=2), dict(block_v=32, num_warps=4),
-                   dict(block_v=64, num_warps=2), dict(block_v=16, num_warps=1), dict(block_v=64, num_warps=1)):
+    for tuning in (None, dict(tails_in_place=True), dict(block_v=32, num_warps=1), dict(block_v=32, num_warps=2),
+                   dict(block_v=32, num_warps=4), dict(block_v=64, num_warps=2), dict(block_v=16, num_warps=1),
+                   dict(block_v=64, num_warps=1)):
         step = lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t,
                                                   **kw)
         whole = jax.jit(lambda cp, sp, step=step: jax.lax.fori_loop(0, steps, lambda i, c: step(*c)[1:], (cp, sp)))
