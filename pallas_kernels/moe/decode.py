@@ -25,12 +25,16 @@ GROUP = 32  # elements per scale byte
 _BIAS = 0x3E80 - (127 << 7)  # 0x3F00 - 2 * 0x40, minus the E8M0 bias in the bf16 exponent field
 
 
+def per_column(per_group: jax.Array, width: int) -> jax.Array:
+    """[r, groups] -> [r, width]: each group's value (computed once per scale byte) repeated over its
+    width/groups columns (width c gives it per element, c/2 per packed byte)."""
+    rows, groups = per_group.shape
+    return jnp.broadcast_to(per_group[:, :, None], (rows, groups, width // groups)).reshape(rows, width)
+
+
 def exponent_offsets(scale: jax.Array, width: int) -> jax.Array:
-    """scale uint8 [r, width/g] -> int32 [r, width]: what each of its g columns' scale adds to the bf16
-    bits (the group's value computed once, then repeated; width c/2 gives it per packed byte)."""
-    rows, groups = scale.shape
-    c = (scale.astype(jnp.int32) << 7) + _BIAS
-    return jnp.broadcast_to(c[:, :, None], (rows, groups, width // groups)).reshape(rows, width)
+    """scale uint8 [r, groups] -> int32 [r, width]: what each column's scale adds to the bf16 bits."""
+    return per_column((scale.astype(jnp.int32) << 7) + _BIAS, width)
 
 
 def decode_bits(nib: jax.Array, offset: jax.Array) -> jax.Array:
@@ -91,16 +95,11 @@ def decode_fast_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, 
     m bit into fp32 bit 22, which restores it and changes nothing else (a normal result's bit 22 is
     m already). Byte 0 gives +-0 for every code (exact for the all-zero groups the release stores);
     byte 255 gives +-inf and NaN for code 0 (refused on load)."""
-    rows, half = packed.shape
-    groups = scale.shape[1]
+    half = packed.shape[-1]
     w = _fp16_pairs(packed.astype(jnp.uint32))  # [r, c/2]
-
-    def per_byte(g):  # group values [r, groups] -> [r, c/2]
-        return jnp.broadcast_to(g[:, :, None], (rows, groups, half // groups)).reshape(rows, half)
-
     s = scale.astype(jnp.uint32)
-    factor = per_byte(jax.lax.bitcast_convert_type(s << 23, jnp.float32))
-    fix = per_byte(jnp.where(s == 1, jnp.uint32(0x00400000), jnp.uint32(0)))
+    factor = per_column(jax.lax.bitcast_convert_type(s << 23, jnp.float32), half)
+    fix = per_column(jnp.where(s == 1, jnp.uint32(0x00400000), jnp.uint32(0)), half)
 
     def one(h16, m22):  # fp16 bits (uint16), the element's m at bit 22 of m22 -> bf16
         e2m1 = jax.lax.bitcast_convert_type(h16, jnp.float16) * jnp.float16(2.0 ** 14)  # exact, in fp16
@@ -131,7 +130,8 @@ _ASM = ("{ .reg .b32 w, t, m, a, b, c, d, z; mov.b32 z, 0x80008000; "
         + _place("a", 0) + _place("b", 4) + _place("c", 8) + _place("d", 12)
         + "prmt.b32 $0, d, c, 0x5410; prmt.b32 $1, b, a, 0x5410; prmt.b32 $2, d, c, 0x7632; "
           "prmt.b32 $3, b, a, 0x7632; "
-        + "".join(f"fma.rn.bf16x2 ${k}, ${k}, ${5 + k}, z; fma.rn.bf16x2 ${k}, ${k}, ${9 + k}, z; " for k in range(4))
+        + "".join(f"fma.rn.bf16x2 ${k}, ${k}, ${5 + k}, z; fma.rn.bf16x2 ${k}, ${k}, ${9 + k}, z; "
+                  for k in range(4))
         + "}")
 ASM_PACK = 4  # bytes per asm instance: a thread must hold a multiple of 4 of the packed tile's bytes
 
@@ -144,15 +144,10 @@ def decode_asm_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, j
     (+-inf from 2^128 on, as `mxfp4.dequantize`). Byte 0 gives the exact values times 2^-127 (the other
     decoders round its subnormal results); byte 255 gives +-inf and zeros (refused on load)."""
     rows, half = packed.shape
-    groups = scale.shape[1]
     s = scale.astype(jnp.uint32)
-
-    def per_byte(e):  # exponent field [r, groups] -> the factor as bf16x2 bits per byte [r, c/2]
-        bits = (e << 7) | (e << 23)
-        return jnp.broadcast_to(bits[:, :, None], (rows, groups, half // groups)).reshape(rows, half)
-
-    f1 = per_byte(jnp.minimum(s, jnp.uint32(128)) + jnp.uint32(126))
-    f2 = per_byte(jnp.maximum(s, jnp.uint32(128)) - jnp.uint32(1))
+    factor = lambda e: per_column((e << 7) | (e << 23), half)  # noqa: E731  exponent field -> bf16x2 bits per byte
+    f1 = factor(jnp.minimum(s, jnp.uint32(128)) + jnp.uint32(126))
+    f2 = factor(jnp.maximum(s, jnp.uint32(128)) - jnp.uint32(1))
     pairs = pltriton.elementwise_inline_asm(
         _ASM, args=[packed, f1, f2], constraints="=r,=r,=r,=r," + ",".join(["r"] * 9), pack=ASM_PACK,
         result_shape_dtypes=[jax.ShapeDtypeStruct((rows, half), jnp.int32)])[0]  # signless i32 (ui32 is refused)

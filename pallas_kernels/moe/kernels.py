@@ -130,7 +130,8 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
 
 # "asm" (decode.decode_asm, PTX): the same bits as "exact" (every byte and scale 1..254, and whole paths at
 # K3 widths, compiled on the H200) in about 4 instructions per element; at 16 tokens gate+up 1.92x and down
-# 1.54x faster than "fast" there (2026-12-02, docs/benchmarks.md). The interpreter runs "fast" (the same bits) in its place.
+# 1.54x faster than "fast" there (2026-12-02, docs/benchmarks.md). The interpreter runs "fast" (the same
+# bits) in its place.
 DEFAULT_DECODE = "asm"
 
 

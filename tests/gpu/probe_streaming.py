@@ -3,16 +3,15 @@
 (S) Pure streaming kernels, no decode and no MMA: one program per (tile, N block) walks its expert's rows
     over K as the gate+up kernel does, reading the packed weights either as uint8 blocks [bn, bk/2] (as
     the kernels do now) or the same bytes as uint32 blocks [bn, bk/8]; TB/s on the bytes read.
-(K) The gate+up kernel itself at the decode tiles (fast decode and the no-decode diagnostic), same run.
 (B) Whether XLA's uint8 -> uint32 bitcast of a weight array is free (no copy) under jit.
 (T) The decode-regime tiles (bn, bk, warps, stages) of gate+up and down at K3 widths (T_TOKENS, default 16),
-    with the fast and the asm decodes (T_DECODES), each checked against the default tiles' exact-decode
-    output: larger blocks per K step, as (S) suggests.
+    with the fast and the asm decodes (T_DECODES; "reinterpret" adds the no-decode diagnostic), each
+    checked against the default tiles' exact-decode output: larger blocks per K step, as (S) suggests.
 (D) KDA decode at N = 32, H = 96: the kernel alone (the loop carries only the state pool, so the conv-tail
     scatter is dead code) against the whole step, for value tiles and warp counts beyond the benchmark's,
     and the tails written in place (its step has no scatter).
 
-    python3 tests/gpu/probe_streaming.py [SKBTD]
+    python3 tests/gpu/probe_streaming.py [SBTD]
 """
 import os
 import re
@@ -25,10 +24,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
-from moe import E, F, L, _random_experts, copy_bandwidth, routing, timeit  # noqa: E402
+from moe import E, F, L, _random_experts, copy_bandwidth, kernel_parts, routing, timeit  # noqa: E402
 from pallas_kernels.moe import dispatch as dsp  # noqa: E402
 from pallas_kernels.moe import routed as kern  # noqa: E402
-from pallas_kernels.moe.kernels import _CompilerParams, down, gate_up  # noqa: E402
+from pallas_kernels.moe.kernels import _CompilerParams  # noqa: E402
 
 SMALL = bool(os.environ.get("PROBE_SMALL"))
 NE = 16 if SMALL else E
@@ -90,23 +89,6 @@ def part_s():
                   f"{nbytes / s / 1e12:.2f} TB/s", flush=True)
 
 
-def part_k():
-    ex = _random_experts(jax.random.PRNGKey(2), NE)
-    xl, idx, w = routing(16, 16)
-    if SMALL:
-        xl = xl[:, :LL]
-    idx = idx % NE
-    cfg = kern.fit(kern.DECODE, LL, FF)
-    lo = dsp.block_layout(idx, w, NE, cfg.bm)
-    nbytes = kern.active_bytes(idx, LL, FF)["gate_up"]
-    for decode in ("fast", "reinterpret"):
-        f = jax.jit(lambda x, lo, ex: gate_up(x, lo.tile_expert, lo.slot_token, ex.w1_packed, ex.w1_scale,
-                                              ex.w3_packed, ex.w3_scale, 4.0, 25.0, cfg.bm, cfg.gate_up,
-                                              SMALL, decode))
-        s = timeit(f, xl, lo, ex)
-        print(f"K gate_up {decode}: {s * 1e6:.1f} us {nbytes / s / 1e12:.2f} TB/s", flush=True)
-
-
 T_TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 3), (64, 512, 8, 3), (32, 256, 4, 3), (32, 512, 4, 3),
            (32, 512, 8, 3), (16, 512, 4, 3), (128, 256, 8, 3)]
 
@@ -129,11 +111,7 @@ def part_t():
         for (bn, bk, warps, stages), decode in [(tiles[0], "exact")] + [(t, d) for t in tiles for d in decodes]:
             t = kern.Tiles(bn=bn, bk=bk, num_warps=warps, num_stages=stages)
             cfg = kern.fit(replace(base, gate_up=t, down=t), LL, FF)
-            gu = jax.jit(lambda x, lo, ex, c=cfg: gate_up(x, lo.tile_expert, lo.slot_token, ex.w1_packed,
-                                                          ex.w1_scale, ex.w3_packed, ex.w3_scale, 4.0, 25.0, c.bm,
-                                                          c.gate_up, SMALL, decode))
-            dn = jax.jit(lambda h, lo, ex, c=cfg: down(h, lo.tile_expert, lo.slot_weight, ex.w2_packed, ex.w2_scale,
-                                                       c.bm, c.down, SMALL, decode))
+            _, gu, dn, _ = kernel_parts(cfg, decode)  # the benchmark's jitted kernels (interpreted on the CPU)
             try:
                 h = gu(xl, lo, ex)
                 y = dn(h, lo, ex)
@@ -188,6 +166,6 @@ def part_d():
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1] if len(sys.argv) > 1 else "SKBTD"
+    parts = sys.argv[1] if len(sys.argv) > 1 else "SBTD"
     for p in parts:
         globals()[f"part_{p.lower()}"]()
