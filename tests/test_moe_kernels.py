@@ -108,11 +108,13 @@ def test_kernel_equals_pure_op(config, n, k, kind):
     _check(xl, idx, w, experts, config)
 
 
-# The MMA shapings of `Tiles` (swap: weights as the left operand; split: even/odd halves, no interleave),
-# each in both regimes: the same op, so the same tolerance against the pure op.
-VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=split),) * 2)
+# The MMA shapings of `Tiles` (swap: weights as the left operand; split: even/odd halves, no interleave)
+# and the tiles-first launch order, each in both regimes: the same op, so the same tolerance against the
+# pure op.
+VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=split, n_first=n_first),) * 2)
             for regime, bm in (("decode", 16), ("prefill", 128))
-            for name, swap, split in (("swap", True, False), ("split", False, True), ("swap-split", True, True))}
+            for name, swap, split, n_first in (("swap", True, False, True), ("split", False, True, True),
+                                               ("swap-split", True, True, True), ("tiles-first", False, False, False))}
 
 
 @pytest.mark.parametrize("config", list(VARIANTS.values()), ids=list(VARIANTS))

@@ -2,9 +2,9 @@
 
 Each program reads its slot's conv tails for the head's channels and its [K, V] fp32 state once, does
 the q/k/v causal conv + SiLU (rounded to the activation dtype, as the reference), the gate, the q/k L2
-norm, the decay + delta-rule update + read, the gated RMSNorm of the output, and writes the new state
-back in place (the state pool is an aliased input/output) and each row's new conv tails (scattered into
-their slots after the kernel). Bandwidth-bound: the state is read and written once. Implements
+norm, the decay + delta-rule update + read, the gated RMSNorm of the output, and writes the new state and
+the new conv tails back into their slots (both pools are aliased inputs/outputs, updated in place when the
+caller donates them). Bandwidth-bound: the state is read and written once. Implements
 `kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
 
 Value split (`tuning=dict(block_v=B)`, B a power of two below V that divides it): the grid becomes
@@ -14,7 +14,8 @@ recomputes the head's q/k conv + SiLU, the gate and the q/k L2 norm (K channels 
 B value channels, and updates and reads only its state slice. The output RMSNorm needs the whole value
 row: the kernel writes the un-normed fp32 output and the gated RMSNorm runs after it in plain JAX over
 [N, H, V] (N*H*V*4 bytes, 1/K of the state traffic). Only the programs of value tile 0 write the new
-conv tails. The default (block_v None or V) is the whole-V kernel above, unchanged.
+conv tails, into a fresh [N, ...] output that a scatter puts in their slots. The default (block_v None or
+V) is the whole-V kernel above.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from kimik3_jax.ops.kda import L2_EPS
 from pallas_kernels.kda.common import compiler_params, resolve_interpret
 
 # block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29).
-# tails_in_place: write the new conv tails into their slots of the (aliased) conv pool instead of a fresh
-# [N, ...] output and a scatter after the kernel (the scatter is 15% of a step at N = 32, H = 96; probe
-# tests/gpu/probe_streaming.py part D). Off until it has run on a GPU: an earlier aliased kernel gave wrong
-# states there (docs/benchmarks.md, "Still to run" 5, has the hypothesis this version addresses).
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=False)
+# tails_in_place (None: for the whole-V kernel): the kernel writes the new conv tails into their slots of the
+# aliased conv pool, instead of a fresh [N, ...] output that a scatter after the kernel puts in place (15% of
+# a step at N = 32, H = 96). Checked on the H200 at N = 1, 32 and 256, untouched slots bit for bit
+# (tests/gpu/test_kda_gpu.py, 2026-12-02). The value split always scatters: its other value tiles read the
+# tails that tile 0 would overwrite.
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None)
 
 
 def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
@@ -66,21 +68,24 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     cs = pl.ds(h * dk, dk)
     keep = jnp.broadcast_to(active, (dk,))
     row = slot if in_place else n  # the tails' row: the slot of the aliased pool, or this row of a fresh output
-    ys = []
+    # The state's load is issued first, so that its latency overlaps the conv prologue's loads and
+    # arithmetic, and every store comes after the last load (a store issued earlier would keep the state
+    # load behind it: the pointers may alias). On the H200 at H = 96 this ordering with the tails in place
+    # took a step from 178 to 144 us at N = 32 and from 23.5 to 14.3 us at N = 1 (2026-12-02).
+    s0 = s_ref[slot, h, :, :]
+    ys, tails = [], []
     for j in range(3):
         x = qkv_ref[n, j, cs]
-        tail = [conv_ref[slot, j, r, cs] for r in range(width - 1)]
-        hist = tail + [x]
+        hist = [conv_ref[slot, j, r, cs] for r in range(width - 1)] + [x]
         y = jnp.zeros((dk,), f32)
         for r in range(width):
             y = y + hist[r].astype(f32) * w_ref[j, cs, r].astype(f32)
         ys.append(jax.nn.silu(y).astype(act).astype(f32))
-        for r in range(width - 1):  # the tail moves by one token (an inactive row keeps its tail); the value
-            # depends on the load of hist[r] from the same address, so in place the store cannot precede it
-            tails_out[row, j, r, cs] = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
+        # the tail moves by one token (an inactive row keeps its tail); stored at the end, after every load
+        tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)) for r in range(width - 1)]
     q, k, v = ys
     q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
-    s = s_ref[slot, h, :, :].astype(f32) * jnp.exp(g)[:, None]  # decay first
+    s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
     pred = jnp.sum(s * k[:, None], axis=0)
     s = s + k[:, None] * (beta * (v - pred))[None, :]
     o = jnp.sum(s * q[:, None], axis=0)  # read after the update
@@ -88,6 +93,8 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     o = o * jax.nn.sigmoid(gate_ref[n, h, :].astype(f32))
     o_ref[n, h, :] = o.astype(o_ref.dtype)
     plt.store(s_out.at[slot, h, :, :], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, dv)))
+    for j, r, t in tails:
+        tails_out[row, j, r, cs] = t
 
 
 def _decode_split_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref,
@@ -115,7 +122,9 @@ def _decode_split_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
             y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
         return jax.nn.silu(y).astype(act).astype(f32), hist
 
-    ys = []
+    cols = pl.ds(t * bv, bv)
+    s0 = s_ref[slot, h, :, cols]  # first, and every store last, as in the whole-V kernel
+    ys, tails = [], []
     for j in range(3):
         if j < 2:
             y, hist = conv(j, cs, dk)
@@ -123,18 +132,17 @@ def _decode_split_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
         else:
             hist = [conv_ref[slot, j, r, cs] for r in range(width - 1)] + [qkv_ref[n, j, cs]]
         for r in range(width - 1):  # the tail moves by one token (an inactive row keeps its tail); tile 0 writes
-            new = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
-            # (array indices: the interpreter's masked store rejects Python ints, jax 0.10.2)
-            plt.store(tails_out.at[n, jnp.int32(j), jnp.int32(r), cs], new, mask=write_tails)
+            tails.append((j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)))
     q, k = ys
     v, _ = conv(2, vs, bv)
     q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
-    cols = pl.ds(t * bv, bv)
-    s = s_ref[slot, h, :, cols].astype(f32) * jnp.exp(g)[:, None]  # decay first
+    s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
     pred = jnp.sum(s * k[:, None], axis=0)
     s = s + k[:, None] * (beta * (v - pred))[None, :]
     o_ref[n, h, cols] = jnp.sum(s * q[:, None], axis=0)  # read after the update, un-normed fp32
     plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, bv)))
+    for j, r, new in tails:  # (array indices: the interpreter's masked store rejects Python ints, jax 0.10.2)
+        plt.store(tails_out.at[n, jnp.int32(j), jnp.int32(r), cs], new, mask=write_tails)
 
 
 def block_v_of(tuning: dict, dv: int) -> int:
@@ -176,18 +184,17 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     nh = s_pool.shape[1]
     lens = jnp.ones((nb,), jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     a_log_arr = jnp.zeros((nh,), jnp.float32) if a_log is None else a_log.astype(jnp.float32)
-    in_place = bool(t["tails_in_place"])
     dv = s_pool.shape[-1]
     bv = block_v_of(t, dv)
+    in_place = bv == dv if t["tails_in_place"] is None else bool(t["tails_in_place"])
     if in_place and bv < dv:  # the other value tiles of a head read the tails that tile 0 would overwrite
         raise ValueError(f"kda_decode kernel: tails_in_place needs the whole-V kernel, not block_v = {bv}")
     kernel = functools.partial(
         _decode_kernel, lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
         gate=a_log is not None, qk_norm=qk_norm, eps=float(eps), in_place=in_place)
-    # By default only the state pool is updated in place: aliasing the conv-tail pool too gave wrong states
-    # on the H200 with an earlier kernel (N = 2, H = 96: relative error 0.2; docs/benchmarks.md), so the
-    # kernel writes each row's new tails (221 KB per sequence at K3's widths, 4% of its state traffic) and
-    # one scatter puts them in their slots; tuning tails_in_place aliases the conv pool instead (see TUNING).
+    # Both pools are aliased (updated in place) by default; without tails_in_place the kernel writes each
+    # row's new tails (221 KB per sequence at K3's widths, 4% of its state traffic) and a scatter puts them
+    # in their slots.
     out_shape = (jax.ShapeDtypeStruct((nb, nh, s_pool.shape[-1]), qkv.dtype),
                  jax.ShapeDtypeStruct(conv_pool.shape if in_place else (nb,) + conv_pool.shape[1:], conv_pool.dtype),
                  jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))

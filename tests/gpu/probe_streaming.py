@@ -7,11 +7,14 @@
 (T) The decode-regime tiles (bn, bk, warps, stages) of gate+up and down at K3 widths (T_TOKENS, default 16),
     with the fast and the asm decodes (T_DECODES; "reinterpret" adds the no-decode diagnostic), each
     checked against the default tiles' exact-decode output: larger blocks per K step, as (S) suggests.
-(D) KDA decode at N = 32, H = 96: the kernel alone (the loop carries only the state pool, so the conv-tail
-    scatter is dead code) against the whole step, for value tiles and warp counts beyond the benchmark's,
-    and the tails written in place (its step has no scatter).
+(D) KDA decode at N = 32 (or D_N), H = 96: the kernel alone (the loop carries only the state pool, so a
+    conv-tail scatter is dead code; with the tails in place, the default, it copies the un-donated conv pool
+    instead: compare steps there) against the whole step, for value tiles and warp counts beyond the
+    benchmark's, and the tails scattered after the kernel.
+(G) The MoE kernels' launch order at K3 widths (G_TOKENS, default 16,512,4096): the N blocks of a tile
+    first (the default) or the tiles first, each regime's default tiles, outputs compared bit for bit.
 
-    python3 tests/gpu/probe_streaming.py [SBTD]
+    python3 tests/gpu/probe_streaming.py [SBTDG]
 """
 import os
 import re
@@ -131,6 +134,33 @@ def part_t():
                   f"{nb['down'] / td / 1e12:.2f} TB/s; vs default exact {eh:.1e} / {ey:.1e}", flush=True)
 
 
+def part_g():
+    from dataclasses import replace
+    ex = _random_experts(jax.random.PRNGKey(2), NE)
+    for tokens in [int(t) for t in os.environ.get("G_TOKENS", "2" if SMALL else "16,512,4096").split(",")]:
+        xl, idx, w = routing(tokens, tokens)
+        if SMALL:
+            xl = xl[:, :LL]
+        idx = idx % NE
+        base = kern.fit(kern.choose_config(idx.size, NE), LL, FF)
+        lo = dsp.block_layout(idx, w, NE, base.bm)
+        nb = kern.active_bytes(idx, LL, FF)
+        outs = []
+        for n_first in (True, False):
+            cfg = replace(base, gate_up=replace(base.gate_up, n_first=n_first),
+                          down=replace(base.down, n_first=n_first))
+            _, gu, dn, _ = kernel_parts(cfg)
+            h = gu(xl, lo, ex)
+            y = dn(h, lo, ex)
+            tg, td = timeit(gu, xl, lo, ex), timeit(dn, h, lo, ex)
+            outs.append((np.asarray(h, np.float32), np.asarray(y)))
+            print(f"G {tokens} tok n_first={n_first}: gate_up {tg * 1e6:8.1f} us {nb['gate_up'] / tg / 1e12:.2f} TB/s, "
+                  f"down {td * 1e6:8.1f} us {nb['down'] / td / 1e12:.2f} TB/s", flush=True)
+        used = np.asarray(lo.slot_weight) != 0
+        same = all(np.array_equal(a[used], b[used]) for a, b in zip(*outs))
+        print(f"G {tokens} tok: both orders give the same bits: {same}", flush=True)
+
+
 def part_b():
     w8 = jnp.zeros((64, FF, LL // 2), jnp.uint8)
     f = jax.jit(lambda a: jax.lax.bitcast_convert_type(a.reshape(64, FF, LL // 8, 4), jnp.uint32))
@@ -143,14 +173,13 @@ def part_b():
 def part_d():
     from kda import bench_jax, decode_inputs
     from pallas_kernels.kda.decode import kda_decode
-    n, h = (2, 2) if SMALL else (32, 96)
+    n, h = (2, 2) if SMALL else (int(os.environ.get("D_N", 32)), 96)
     qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, h)
     kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0, interpret=SMALL or None)
     steps = 2 if SMALL else 100
     nbytes = 2 * s_pool.size * 4
-    for tuning in (None, dict(tails_in_place=True), dict(block_v=32, num_warps=1), dict(block_v=32, num_warps=2),
-                   dict(block_v=32, num_warps=4), dict(block_v=64, num_warps=2), dict(block_v=16, num_warps=1),
-                   dict(block_v=64, num_warps=1)):
+    for tuning in (None, dict(tails_in_place=False), dict(num_warps=8), dict(block_v=64, num_warps=2),
+                   dict(block_v=32, num_warps=2)):
         step = lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t,
                                                   **kw)
         whole = jax.jit(lambda cp, sp, step=step: jax.lax.fori_loop(0, steps, lambda i, c: step(*c)[1:], (cp, sp)))

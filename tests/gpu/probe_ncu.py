@@ -1,0 +1,58 @@
+"""GPU probe (2026-12-02, fifth session): one launch of each bandwidth-bound kernel, for Nsight Compute.
+
+Runs, at K3's widths, each once after a warm-up call: the MoE gate+up and down kernels at 16 tokens
+(decode tiles, the default "asm" decode), the gate+up kernel at 4096 tokens (prefill tiles), and the KDA
+decode step at N = 32, H = 96 (the default, and with the tails scattered after the kernel). Under
+`ncu -k regex:"moe|kda"` the report says where each kernel's time goes (DRAM and shared-memory throughput,
+warp stalls, the SASS of its inner loop: whether the decoded weights go through shared memory on their way
+to the MMA). Without ncu it is a smoke run (PROBE_SMALL=1 shrinks it for the CPU interpreter).
+
+    ncu --clock-control none -k regex:"moe|kda" --set full -o $OUT/probe python3 tests/gpu/probe_ncu.py
+"""
+import os
+import sys
+
+sys.path.insert(0, "benchmarks")
+import jax  # noqa: E402
+
+from kda import decode_inputs  # noqa: E402
+from moe import E, _random_experts, kernel_parts, routing  # noqa: E402
+from pallas_kernels.kda.decode import kda_decode  # noqa: E402
+from pallas_kernels.moe import routed as kern  # noqa: E402
+
+SMALL = bool(os.environ.get("PROBE_SMALL"))
+
+
+def moe():
+    ex = _random_experts(jax.random.PRNGKey(2), E)
+    for tokens in (2,) if SMALL else (16, 4096):
+        xl, idx, w = routing(tokens, tokens)
+        cfg = kern.fit(kern.choose_config(idx.size, E), xl.shape[1], ex.w1_packed.shape[1])
+        lay, gu, dn, _ = kernel_parts(cfg)
+        lo = lay(idx, w)
+        h = jax.block_until_ready(gu(xl, lo, ex))  # warm-up (compiles), then the profiled launches
+        jax.block_until_ready(gu(xl, lo, ex))
+        if tokens == 16 or SMALL:
+            jax.block_until_ready(dn(h, lo, ex))
+            jax.block_until_ready(dn(h, lo, ex))
+        print(f"moe {tokens} tokens: {cfg}", flush=True)
+
+
+def kda():
+    n, h = (2, 2) if SMALL else (32, 96)
+    qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, h)
+    kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0)
+    for tuning in (None, dict(tails_in_place=False)):
+        f = jax.jit(lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w,
+                                                        tuning=t, **kw))
+        jax.block_until_ready(f(conv_pool, s_pool))
+        jax.block_until_ready(f(conv_pool, s_pool))
+        print(f"kda decode N={n} {tuning}", flush=True)
+
+
+if __name__ == "__main__":
+    parts = sys.argv[1] if len(sys.argv) > 1 else "MK"
+    if "M" in parts:
+        moe()
+    if "K" in parts:
+        kda()
