@@ -11,8 +11,9 @@
     conv-tail scatter is dead code; with the tails in place, the default, it copies the un-donated conv pool
     instead: compare steps there) against the whole step, for value tiles and warp counts beyond the
     benchmark's, and the tails scattered after the kernel.
-(G) The MoE kernels' launch order at K3 widths (G_TOKENS, default 16,512,4096): the N blocks of a tile
-    first (the default) or the tiles first, each regime's default tiles, outputs compared bit for bit.
+(G) The MoE kernels at K3 widths (G_TOKENS, default 16,512,4096), each regime's default tiles, in the
+    G_VARIANTS: launch order (a tile's N blocks first, or the tiles first) and decoder ("asm", "asm1"),
+    outputs compared bit for bit with the first variant's.
 
     python3 tests/gpu/probe_streaming.py [SBTDG]
 """
@@ -134,9 +135,13 @@ def part_t():
                   f"{nb['down'] / td / 1e12:.2f} TB/s; vs default exact {eh:.1e} / {ey:.1e}", flush=True)
 
 
+G_VARIANTS = {"tiles-first/asm": (False, "asm"), "n-first/asm": (True, "asm"), "n-first/asm1": (True, "asm1")}
+
+
 def part_g():
     from dataclasses import replace
     ex = _random_experts(jax.random.PRNGKey(2), NE)
+    names = os.environ.get("G_VARIANTS", ",".join(G_VARIANTS)).split(",")
     for tokens in [int(t) for t in os.environ.get("G_TOKENS", "2" if SMALL else "16,512,4096").split(",")]:
         xl, idx, w = routing(tokens, tokens)
         if SMALL:
@@ -145,20 +150,22 @@ def part_g():
         base = kern.fit(kern.choose_config(idx.size, NE), LL, FF)
         lo = dsp.block_layout(idx, w, NE, base.bm)
         nb = kern.active_bytes(idx, LL, FF)
-        outs = []
-        for n_first in (True, False):
+        used = np.asarray(lo.slot_weight) != 0
+        first = None
+        for name in names:
+            n_first, decode = G_VARIANTS[name]
             cfg = replace(base, gate_up=replace(base.gate_up, n_first=n_first),
                           down=replace(base.down, n_first=n_first))
-            _, gu, dn, _ = kernel_parts(cfg)
+            _, gu, dn, _ = kernel_parts(cfg, decode)
             h = gu(xl, lo, ex)
             y = dn(h, lo, ex)
             tg, td = timeit(gu, xl, lo, ex), timeit(dn, h, lo, ex)
-            outs.append((np.asarray(h, np.float32), np.asarray(y)))
-            print(f"G {tokens} tok n_first={n_first}: gate_up {tg * 1e6:8.1f} us {nb['gate_up'] / tg / 1e12:.2f} TB/s, "
-                  f"down {td * 1e6:8.1f} us {nb['down'] / td / 1e12:.2f} TB/s", flush=True)
-        used = np.asarray(lo.slot_weight) != 0
-        same = all(np.array_equal(a[used], b[used]) for a, b in zip(*outs))
-        print(f"G {tokens} tok: both orders give the same bits: {same}", flush=True)
+            out = (np.asarray(h, np.float32)[used], np.asarray(y)[used])
+            first = first or out
+            same = all(np.array_equal(a, b) for a, b in zip(out, first))
+            print(f"G {tokens} tok {name}: gate_up {tg * 1e6:8.1f} us {nb['gate_up'] / tg / 1e12:.2f} TB/s, "
+                  f"down {td * 1e6:8.1f} us {nb['down'] / td / 1e12:.2f} TB/s; same bits as the first: {same}",
+                  flush=True)
 
 
 def part_b():

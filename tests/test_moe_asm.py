@@ -1,0 +1,133 @@
+"""The PTX of the "asm" MXFP4 decoders (pallas_kernels/moe/decode.py), run by a small NumPy emulator of the
+instructions they use, on every packed byte and scale byte: their bit logic is checked on the CPU, where
+the kernels themselves run the "fast" stand-ins (the GPU tests compile the real thing).
+
+Triton hands an instance with pack=4 the 4 packed bytes of consecutive elements in one 32-bit register
+(element 0 in the low byte, $4) and one register per element for every other argument; $0..$3 are the
+elements' results."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kimik3_jax import mxfp4
+from pallas_kernels.moe import decode as dec
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _bf16x2(u):
+    """uint32 words -> (low, high) halves as float64."""
+    lo = (u & 0xFFFF).astype(np.uint16).view(BF16).astype(np.float64)
+    hi = (u >> 16).astype(np.uint16).view(BF16).astype(np.float64)
+    return lo, hi
+
+
+def _word(lo, hi):
+    """float64 halves -> one uint32 word of bf16x2 (round to nearest even)."""
+    bits = lambda x: x.astype(np.float32).astype(BF16).view(np.uint16).astype(np.uint32)
+    return bits(lo) | (bits(hi) << 16)
+
+
+def _prmt(a, b, sel):
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = src[nib & 7]
+        if nib & 8:  # sign-replicate mode
+            byte = np.where(byte & 0x80, 0xFF, 0).astype(np.uint32)
+        out |= byte << (8 * i)
+    return out
+
+
+def run_ptx(asm: str, regs: dict) -> dict:
+    """Execute the straight-line PTX `asm` on uint32 arrays: mov, shl, shr, and, or, prmt (default mode)
+    and fma.rn.bf16x2 (exact products here, rounded once to bf16)."""
+    regs = dict(regs)
+    val = lambda x: np.uint32(int(x, 0)) if x[0].isdigit() else regs[x]
+    for ins in asm.replace("{", ";").replace("}", ";").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        x = [val(a) for a in src]
+        if op == "mov.b32":
+            r = x[0] + np.zeros_like(regs["$4"])
+        elif op == "shl.b32":
+            r = (x[0] << x[1]) & np.uint32(0xFFFFFFFF)
+        elif op == "shr.b32":
+            r = x[0] >> x[1]
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "or.b32":
+            r = x[0] | x[1]
+        elif op == "prmt.b32":
+            r = _prmt(x[0], x[1], int(src[2], 0))
+        elif op == "fma.rn.bf16x2":
+            (al, ah), (bl, bh), (cl, ch) = (_bf16x2(v) for v in x)
+            with np.errstate(over="ignore", invalid="ignore"):  # +-inf past 2^128; NaN factors past the bound
+                r = _word(al * bl + cl, ah * bh + ch)
+        else:
+            raise NotImplementedError(op)
+        regs[d] = r.astype(np.uint32)
+    return regs
+
+
+def _cases(scales):
+    """Every byte (256) for every scale byte: packed [S, 256], scale [S, 1] (one group of 32 per 16
+    bytes: each row's 16 groups share the scale)."""
+    scale = np.asarray(scales, np.uint8)[:, None]
+    packed = np.tile(np.arange(256, dtype=np.uint8), (len(scales), 1))
+    return packed, np.repeat(scale, 16, axis=1)
+
+
+def emulate(asm: str, packed, scale, factors) -> np.ndarray:
+    """Run `asm` with pack=4 over packed uint8 [r, c/2] and per-byte factor words [r, c/2] (one list entry
+    per factor argument, in order) -> bf16 [r, c] in element order."""
+    q = packed.astype(np.uint32).reshape(-1, 4)
+    word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
+    regs = {"$4": word}
+    for j, f in enumerate(factors):
+        f = f.reshape(-1, 4)
+        regs.update({f"${5 + 4 * j + k}": f[:, k] for k in range(4)})
+    out = run_ptx(asm, regs)
+    pairs = np.stack([out[f"${k}"] for k in range(4)], axis=1).reshape(packed.shape)  # per byte: (lo, hi)
+    bits = np.stack([pairs & 0xFFFF, pairs >> 16], axis=-1).reshape(packed.shape[0], -1)
+    return bits.astype(np.uint16).view(BF16)
+
+
+def _factor_word(e):
+    """Exponent fields [r, groups] -> bf16x2 words of 2^(e - 127) per byte [r, c/2] (as the decoders build)."""
+    e = np.repeat(e.astype(np.uint32), 16, axis=1)
+    return (e << 7) | (e << 23)
+
+
+def _want(packed, scale):
+    return np.asarray(mxfp4.dequantize(packed, scale, np.float32)).astype(BF16)
+
+
+def test_asm_two_multiplies_is_exact_for_scale_bytes_1_to_254():
+    packed, scale = _cases(range(1, 255))
+    s = scale.astype(np.uint32)
+    got = emulate(dec._ASM, packed, scale, [_factor_word(np.minimum(s, 128) + 126), _factor_word(np.maximum(s, 128) - 1)])
+    np.testing.assert_array_equal(got.view(np.uint16), _want(packed, scale).view(np.uint16))
+
+
+def test_asm1_one_multiply_is_exact_up_to_its_bound_and_only_there():
+    packed, scale = _cases(range(1, dec.QUICK_MAX_SCALE + 1))
+    got = emulate(dec._ASM1, packed, scale, [_factor_word(scale.astype(np.uint32) + 126)])
+    np.testing.assert_array_equal(got.view(np.uint16), _want(packed, scale).view(np.uint16))
+    packed, scale = _cases([dec.QUICK_MAX_SCALE + 1])
+    got = emulate(dec._ASM1, packed, scale, [_factor_word(scale.astype(np.uint32) + 126)])
+    assert not np.array_equal(got.view(np.uint16), _want(packed, scale).view(np.uint16))
+
+
+@pytest.mark.parametrize("s", [0, 1, 128])
+def test_asm1_equals_asm_at_the_ends_of_its_range(s):
+    packed, scale = _cases([s])
+    u = scale.astype(np.uint32)
+    two = emulate(dec._ASM, packed, scale, [_factor_word(np.minimum(u, 128) + 126), _factor_word(np.maximum(u, 128) - 1)])
+    one = emulate(dec._ASM1, packed, scale, [_factor_word(u + 126)])
+    np.testing.assert_array_equal(one.view(np.uint16), two.view(np.uint16))
