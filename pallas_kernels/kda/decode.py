@@ -37,36 +37,27 @@ from pallas_kernels.kda.common import compiler_params, resolve_interpret
 # a step at N = 32, H = 96). Checked on the H200 at N = 1, 32 and 256, untouched slots bit for bit
 # (tests/gpu/test_kda_gpu.py, 2026-12-02). The value split always scatters: its other value tiles read the
 # tails that tile 0 would overwrite.
-# one_pass (whole-V kernel): both reductions over K in one pass over the decayed state (see the kernel);
-# not yet run on a GPU.
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, one_pass=False)
-
-
-def _norm_factors(q, k, qk_norm):
-    """The scalars the q/k L2 norm multiplies q and k by (q's also carries K^-1/2); 1 without the norm."""
-    if not qk_norm:
-        return 1.0, 1.0
-    return jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * q.shape[0] ** -0.5, jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-
-
-def _gate_beta(g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate):
-    """The lower-bound gate and beta of one (sequence, head); an inactive row gets g = 0 and beta = 0 (its
-    state stays as it is)."""
-    f32 = jnp.float32
-    g = g_ref[n, h, :].astype(f32)
-    if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
-    return jnp.where(active, g, 0.0), jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None)
 
 
 def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
-    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head)."""
-    rq, rk = _norm_factors(q, k, qk_norm)
-    return (q * rq, k * rk) + _gate_beta(g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate)
+    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head);
+    an inactive row gets g = 0 and beta = 0 (its state stays as it is)."""
+    f32 = jnp.float32
+    dk = q.shape[0]
+    if qk_norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    g = g_ref[n, h, :].astype(f32)
+    if gate:
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+    g = jnp.where(active, g, 0.0)
+    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+    return q, k, g, beta
 
 
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
-                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place, one_pass):
+                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place):
     f32 = jnp.float32
     n, h = pl.program_id(0), pl.program_id(1)
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
@@ -93,23 +84,11 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
         # the tail moves by one token (an inactive row keeps its tail); stored at the end, after every load
         tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)) for r in range(width - 1)]
     q, k, v = ys
-    if one_pass:
-        # Both reductions over K read the decayed state at once, with the raw q and k (their L2 norms are
-        # scalars, applied after): pred = k.S, and the read after the update q.(S + k d) = q.S + (q.k) d
-        # with d = beta (v - pred). No reduction waits for another, nor for the norms.
-        g, beta = _gate_beta(g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate)
-        s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
-        pk, pq = jnp.sum(s * k[:, None], axis=0), jnp.sum(s * q[:, None], axis=0)
-        rq, rk = _norm_factors(q, k, qk_norm)
-        d = beta * (v - pk * rk)
-        o = pq * rq + (jnp.sum(q * k) * (rq * rk)) * d
-        s = s + (k * rk)[:, None] * d[None, :]
-    else:
-        q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
-        s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
-        pred = jnp.sum(s * k[:, None], axis=0)
-        s = s + k[:, None] * (beta * (v - pred))[None, :]
-        o = jnp.sum(s * q[:, None], axis=0)  # read after the update
+    q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
+    s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
+    pred = jnp.sum(s * k[:, None], axis=0)
+    s = s + k[:, None] * (beta * (v - pred))[None, :]
+    o = jnp.sum(s * q[:, None], axis=0)  # read after the update
     o = o * jax.lax.rsqrt(jnp.sum(o * o) / dv + eps) * nw_ref[...].astype(f32)
     o = o * jax.nn.sigmoid(gate_ref[n, h, :].astype(f32))
     o_ref[n, h, :] = o.astype(o_ref.dtype)
@@ -212,7 +191,7 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
         raise ValueError(f"kda_decode kernel: tails_in_place needs the whole-V kernel, not block_v = {bv}")
     kernel = functools.partial(
         _decode_kernel, lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
-        gate=a_log is not None, qk_norm=qk_norm, eps=float(eps), in_place=in_place, one_pass=bool(t["one_pass"]))
+        gate=a_log is not None, qk_norm=qk_norm, eps=float(eps), in_place=in_place)
     # Both pools are aliased (updated in place) by default; without tails_in_place the kernel writes each
     # row's new tails (221 KB per sequence at K3's widths, 4% of its state traffic) and a scatter puts them
     # in their slots.

@@ -12,13 +12,10 @@ release uses it), while its subnormal values 0.5 and 1.5 * 2^-127 round to 2^-12
 NaN) is refused when weights are loaded (`mxfp4.check_scales`); here it decodes as inf.
 
 `decode_fast` gets the same bits with fewer integer operations (see its docstring); `decode_asm` with
-fewer still, in PTX (GPU only; see its docstring), and `decode_asm1` with fewer again for scale bytes up to
-128 (GPU only; kernels fall back to `decode_asm` for a K block with a larger scale byte: `Decoder`).
+fewer still, in PTX (GPU only; see its docstring).
 """
 
 from __future__ import annotations
-
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -162,53 +159,6 @@ def decode_asm(packed: jax.Array, scale: jax.Array) -> jax.Array:
     return interleave(*decode_asm_halves(packed, scale))
 
 
-# One multiply where the scale allows it: for scale bytes s <= 128 the factor 2^(s - 1) is itself a bf16
-# number, so v * 2^-126 * 2^(s - 1) is one exact bf16x2 multiply. And each byte's word is assembled
-# directly: a = q << 4 puts every byte's low nibble in its high-nibble place, and prmt takes byte k of a
-# (low nibble) into byte 1 and byte k of q (high nibble) into byte 3, so the placement below needs no
-# regrouping. Per 4 bytes: 1 shift, 4 x (prmt, 2 ands, shift-or, multiply), against 4 placements, 4 prmt
-# and 8 multiplies in _ASM (Nsight Compute on the H200, 2026-12-02: the gate+up kernel at 16 tokens issues
-# 5.5 instructions per weight element and is issue-bound, ALU 70% busy).
-def _word(k: int) -> str:
-    sel = 0x4400 + 0x1111 * k  # d.byte0, byte1 <- a.byte k; d.byte2, byte3 <- q.byte k (prmt bytes 4-7 are q's)
-    return (f"prmt.b32 w, a, $4, {sel:#x}; and.b32 t, w, 0x70007000; shr.b32 t, t, 6; and.b32 m, w, 0x80008000; "
-            f"or.b32 w, t, m; fma.rn.bf16x2 ${k}, w, ${5 + k}, z; ")
-
-
-_ASM1 = ("{ .reg .b32 a, w, t, m, z; mov.b32 z, 0x80008000; shl.b32 a, $4, 4; "
-         + "".join(_word(k) for k in range(4)) + "}")
-QUICK_MAX_SCALE = 128  # the largest scale byte for which decode_asm1 is exact (2^(s - 1) <= 2^127)
-
-
-def decode_asm1_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Same bits as `decode_asm_halves` for scale bytes 0..128 (QUICK_MAX_SCALE), with one multiply by
-    2^(s - 1) and no regrouping (see _ASM1); wrong above 128, where 2^(s - 1) is no bf16 number: kernels use
-    it only for K blocks whose scale bytes are all <= 128 (`Decoder.quick`). GPU only."""
-    rows, half = packed.shape
-    s = scale.astype(jnp.uint32)
-    factor = per_column((s + jnp.uint32(126)) * jnp.uint32(0x00800080), half)  # 2^(s - 1) in both bf16 halves
-    pairs = pltriton.elementwise_inline_asm(
-        _ASM1, args=[packed, factor], constraints="=r,=r,=r,=r," + ",".join(["r"] * 5), pack=ASM_PACK,
-        result_shape_dtypes=[jax.ShapeDtypeStruct((rows, half), jnp.int32)])[0]
-    return _bf16(pairs), _bf16(jax.lax.shift_right_logical(pairs, 16))
-
-
-def decode_asm1(packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """`decode_asm1_halves` in element order (GPU only; scale bytes <= 128)."""
-    return interleave(*decode_asm1_halves(packed, scale))
-
-
-def _fast_capped_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The interpreter's stand-in for `decode_asm1_halves`: "fast" with scale bytes above 128 taken as 128,
-    so the same bits where decode_asm1 is exact and wrong values where it is wrong, as it: the CPU suite's
-    wide-scale cases then fail if a kernel uses the quick decoder where it must not."""
-    return decode_fast_halves(packed, jnp.minimum(scale, jnp.uint8(QUICK_MAX_SCALE)))
-
-
-def _fast_capped(packed: jax.Array, scale: jax.Array) -> jax.Array:
-    return interleave(*_fast_capped_halves(packed, scale))
-
-
 def reinterpret_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """NOT a decode: the same bytes turned into bf16 with the fewest operations (wrong values). Only for
     the benchmark's diagnostic run that separates the cost of reading bytes from the cost of decoding."""
@@ -222,22 +172,9 @@ def reinterpret(packed: jax.Array, scale: jax.Array) -> jax.Array:
     return interleave(*reinterpret_halves(packed, scale))
 
 
-class Decoder(NamedTuple):
-    """An in-register decode: into element order [r, c], and into (even, odd) halves [r, c/2] each; and
-    optionally a quicker decoder that is exact only for scale bytes up to quick_max, which a kernel uses
-    for each K block whose scale bytes all are (deciding per block, for the whole program)."""
-    full: Callable
-    halves: Callable
-    quick: "Decoder | None" = None
-    quick_max: int = 0
-
-
-DECODERS = {"exact": Decoder(decode, decode_halves), "fast": Decoder(decode_fast, decode_fast_halves),
-            "asm": Decoder(decode_asm, decode_asm_halves),
-            "asm1": Decoder(decode_asm, decode_asm_halves, Decoder(decode_asm1, decode_asm1_halves), QUICK_MAX_SCALE),
-            "fast1": Decoder(decode_fast, decode_fast_halves, Decoder(_fast_capped, _fast_capped_halves),
-                             QUICK_MAX_SCALE),
-            "reinterpret": Decoder(reinterpret, reinterpret_halves)}
+# name -> (decode into element order [r, c], decode into (even, odd) halves [r, c/2] each)
+DECODERS = {"exact": (decode, decode_halves), "fast": (decode_fast, decode_fast_halves),
+            "asm": (decode_asm, decode_asm_halves), "reinterpret": (reinterpret, reinterpret_halves)}
 # Decoders that only compile for the GPU, and the decoder with the same bits that stands in for them in the
 # interpreter (and for tiles too small for their packing).
-GPU_ONLY = {"asm": "fast", "asm1": "fast1"}
+GPU_ONLY = {"asm": "fast"}

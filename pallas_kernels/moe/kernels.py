@@ -78,24 +78,18 @@ def split_columns(a: jax.Array, bk: int) -> jax.Array:
 
 def _block_product(act_ref, act_rows, w_p_ref, w_s_ref, e, n, kb, *, bk, decode, swap, split):
     """One K block's product of the activation rows with expert e's decoded weight rows n: [bm, bn], or
-    [bn, bm] with swap. act columns are in `split_columns` order when split; decode is a `decode.Decoder`,
-    whose quick decoder (if any) serves the block when all its scale bytes allow it."""
+    [bn, bm] with swap. act columns are in `split_columns` order when split; decode is a
+    `decode.DECODERS` pair."""
     kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
-    w_p, w_s = w_p_ref[e, n, kp], w_s_ref[e, n, ks]
+    full, halves = decode
     if split:
+        ws = halves(w_p_ref[e, n, kp], w_s_ref[e, n, ks])
         acts = (act_ref[act_rows, pl.ds(kb * bk, bk // 2)], act_ref[act_rows, pl.ds(kb * bk + bk // 2, bk // 2)])
     else:
+        ws = (full(w_p_ref[e, n, kp], w_s_ref[e, n, ks]),)
         acts = (act_ref[act_rows, pl.ds(kb * bk, bk)],)
-
-    def product(d):
-        ws = d.halves(w_p, w_s) if split else (d.full(w_p, w_s),)
-        parts = [_dot_t(w, a) if swap else _dot_t(a, w) for a, w in zip(acts, ws)]
-        return sum(parts[1:], parts[0])
-
-    if decode.quick is None:
-        return product(decode)
-    big = jnp.max(w_s.astype(jnp.int32)) > decode.quick_max  # uniform over the program: one branch per block
-    return jax.lax.cond(big, lambda: product(decode), lambda: product(decode.quick))
+    parts = [_dot_t(w, a) if swap else _dot_t(a, w) for a, w in zip(acts, ws)]
+    return sum(parts[1:], parts[0])
 
 
 def _grid(tiles: int, blocks: int, n_first: bool):
@@ -150,7 +144,7 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
 # K3 widths, compiled on the H200) in about 4 instructions per element; at 16 tokens gate+up 1.92x and down
 # 1.54x faster than "fast" there (2026-12-02, docs/benchmarks.md). The interpreter runs "fast" (the same
 # bits) in its place.
-DEFAULT_DECODE = "asm1"
+DEFAULT_DECODE = "asm"
 
 
 def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
@@ -163,10 +157,10 @@ def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
                          + (" (split: one scale group per half)" if tiles.split else ""))
 
 
-def _decoders(what: str, name: str, tiles: Tiles, interpret: bool) -> dec.Decoder:
-    """The `decode.DECODERS` entry for `name`, or a ValueError naming the kernel and the choices. A GPU-only
-    decoder ("asm", "asm1") runs as its bit-identical stand-in (`decode.GPU_ONLY`) in the interpreter and
-    for tiles whose threads would hold fewer packed bytes than one asm instance takes."""
+def _decoders(what: str, name: str, tiles: Tiles, interpret: bool):
+    """The `decode.DECODERS` pair for `name`, or a ValueError naming the kernel and the choices. A GPU-only
+    decoder ("asm") runs as its bit-identical stand-in (`decode.GPU_ONLY`) in the interpreter and for tiles
+    whose threads would hold fewer packed bytes than one asm instance takes."""
     if name not in dec.DECODERS:
         raise ValueError(f"{what}: decode={name!r} is not one of {sorted(dec.DECODERS)}")
     if name in dec.GPU_ONLY and (interpret or tiles.bn * tiles.bk // 2 < dec.ASM_PACK * 32 * tiles.num_warps):

@@ -12,8 +12,7 @@
     instead: compare steps there) against the whole step, for value tiles and warp counts beyond the
     benchmark's, and the tails scattered after the kernel.
 (G) The MoE kernels at K3 widths (G_TOKENS, default 16,512,4096), each regime's default tiles, in the
-    G_VARIANTS: launch order (a tile's N blocks first, or the tiles first), decoder ("asm", "asm1") and
-    MMA shaping (swap),
+    G_VARIANTS: launch order (a tile's N blocks first, or the tiles first), decoder and MMA shaping (swap),
     outputs compared bit for bit with the first variant's.
 
     python3 tests/gpu/probe_streaming.py [SBTDG]
@@ -136,8 +135,8 @@ def part_t():
                   f"{nb['down'] / td / 1e12:.2f} TB/s; vs default exact {eh:.1e} / {ey:.1e}", flush=True)
 
 
-G_VARIANTS = {"tiles-first/asm": (False, "asm", False), "n-first/asm": (True, "asm", False),
-              "n-first/asm1": (True, "asm1", False), "n-first/asm1/swap": (True, "asm1", True)}
+G_VARIANTS = {"tiles-first": (False, "asm", False), "n-first": (True, "asm", False),
+              "n-first/swap": (True, "asm", True)}
 
 
 def part_g():
@@ -187,7 +186,7 @@ def part_d():
     kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0, interpret=SMALL or None)
     steps = 2 if SMALL else 100
     nbytes = 2 * s_pool.size * 4
-    for tuning in (None, dict(one_pass=True), dict(tails_in_place=False), dict(block_v=64, num_warps=2)):
+    for tuning in (None, dict(tails_in_place=False), dict(block_v=64, num_warps=2)):
         step = lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t,
                                                   **kw)
         whole = jax.jit(lambda cp, sp, step=step: jax.lax.fori_loop(0, steps, lambda i, c: step(*c)[1:], (cp, sp)))

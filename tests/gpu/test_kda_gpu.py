@@ -100,8 +100,8 @@ def decode_case(n, h=96, w=4):
 
 
 @pytest.mark.parametrize("tuning", [None, dict(tails_in_place=False), dict(block_v=32, num_warps=4),
-                                    dict(block_v=64, num_warps=2), dict(one_pass=True)],
-                         ids=["whole", "tails-scattered", "bv32", "bv64-2w", "one-pass"])
+                                    dict(block_v=64, num_warps=2)],
+                         ids=["whole", "tails-scattered", "bv32", "bv64-2w"])
 @pytest.mark.parametrize("n", [1, 32, 256])
 def test_decode_matches_reference(n, tuning):
     """None: whole V per program with the conv tails in place (the default); the whole-V kernel with the
