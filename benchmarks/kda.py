@@ -234,8 +234,7 @@ def run_decode(args, torch_mods):
         ms, one, tuning, errs, rolled = best
         state_bytes = 2 * n * h * DK * DV * 4
         row.update(ours_us=1e3 * ms, ours_rolled_us=1e3 * rolled, ours_call_us=1e3 * one, ours_tuning=tuning,
-                   ours_err_o=errs[0],
-                   ours_err_s=errs[1], ours_err_conv=errs[2], ours_tbps=state_bytes / ms / 1e9)
+                   ours_err_o=errs[0], ours_err_s=errs[1], ours_err_conv=errs[2], ours_tbps=state_bytes / ms / 1e9)
         if torch_mods is not None:
             torch, _, fused_recurrent_kda, do_bench = torch_mods
             dev = "cuda"

@@ -6,6 +6,7 @@ Triton hands an instance with pack=4 the 4 packed bytes of consecutive elements 
 (element 0 in the low byte, $4) and one register per element for every other argument; $0..$3 are the
 elements' results."""
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -82,7 +83,7 @@ def _cases(scales):
     return packed, np.repeat(scale, 16, axis=1)
 
 
-def emulate(asm: str, packed, scale, factors) -> np.ndarray:
+def emulate(asm: str, packed, factors) -> np.ndarray:
     """Run `asm` with pack=4 over packed uint8 [r, c/2] and per-byte factor words [r, c/2] (one list entry
     per factor argument, in order) -> bf16 [r, c] in element order."""
     q = packed.astype(np.uint32).reshape(-1, 4)
@@ -97,18 +98,12 @@ def emulate(asm: str, packed, scale, factors) -> np.ndarray:
     return bits.astype(np.uint16).view(BF16)
 
 
-def _factor_word(e):
-    """Exponent fields [r, groups] -> bf16x2 words of 2^(e - 127) per byte [r, c/2] (as the decoders build)."""
-    e = np.repeat(e.astype(np.uint32), 16, axis=1)
-    return (e << 7) | (e << 23)
-
-
 def _want(packed, scale):
     return np.asarray(mxfp4.dequantize(packed, scale, np.float32)).astype(BF16)
 
 
 def test_asm_bit_logic_is_exact_for_every_byte_and_scale_1_to_254():
     packed, scale = _cases(range(1, 255))
-    s = scale.astype(np.uint32)
-    got = emulate(dec._ASM, packed, scale, [_factor_word(np.minimum(s, 128) + 126), _factor_word(np.maximum(s, 128) - 1)])
+    factors = [np.asarray(f) for f in dec.asm_factors(jnp.asarray(scale), packed.shape[-1])]
+    got = emulate(dec._ASM, packed, factors)
     np.testing.assert_array_equal(got.view(np.uint16), _want(packed, scale).view(np.uint16))

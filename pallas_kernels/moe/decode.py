@@ -136,6 +136,15 @@ _ASM = ("{ .reg .b32 w, t, m, a, b, c, d, z; mov.b32 z, 0x80008000; "
 ASM_PACK = 4  # bytes per asm instance: a thread must hold a multiple of 4 of the packed tile's bytes
 
 
+def asm_factors(scale: jax.Array, half: int) -> tuple[jax.Array, jax.Array]:
+    """scale uint8 [r, c/32] -> _ASM's two factor arguments per packed byte [r, c/2]: the bf16x2 words of
+    2^(min(s, 128) - 1) and 2^(max(s, 128) - 128)."""
+    s = scale.astype(jnp.uint32)
+    factor = lambda e: per_column((e << 7) | (e << 23), half)  # noqa: E731  exponent field -> bf16x2 bits per byte
+    return (factor(jnp.minimum(s, jnp.uint32(128)) + jnp.uint32(126)),
+            factor(jnp.maximum(s, jnp.uint32(128)) - jnp.uint32(1)))
+
+
 def decode_asm_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Same bits as `decode_halves` for scale bytes 1..254, in about 4 instructions per element (PTX through
     `pltriton.elementwise_inline_asm`; compiled for the GPU only, no interpreter). Each byte's nibbles are
@@ -144,12 +153,9 @@ def decode_asm_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, j
     (+-inf from 2^128 on, as `mxfp4.dequantize`). Byte 0 gives the exact values times 2^-127 (the other
     decoders round its subnormal results); byte 255 gives +-inf and zeros (refused on load)."""
     rows, half = packed.shape
-    s = scale.astype(jnp.uint32)
-    factor = lambda e: per_column((e << 7) | (e << 23), half)  # noqa: E731  exponent field -> bf16x2 bits per byte
-    f1 = factor(jnp.minimum(s, jnp.uint32(128)) + jnp.uint32(126))
-    f2 = factor(jnp.maximum(s, jnp.uint32(128)) - jnp.uint32(1))
     pairs = pltriton.elementwise_inline_asm(
-        _ASM, args=[packed, f1, f2], constraints="=r,=r,=r,=r," + ",".join(["r"] * 9), pack=ASM_PACK,
+        _ASM, args=[packed, *asm_factors(scale, half)], constraints="=r,=r,=r,=r," + ",".join(["r"] * 9),
+        pack=ASM_PACK,
         result_shape_dtypes=[jax.ShapeDtypeStruct((rows, half), jnp.int32)])[0]  # signless i32 (ui32 is refused)
     return _bf16(pairs), _bf16(jax.lax.shift_right_logical(pairs, 16))  # _bf16 keeps the low 16 bits
 

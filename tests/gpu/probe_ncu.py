@@ -1,14 +1,13 @@
 """GPU probe (2026-12-02, fifth session): one launch of each bandwidth-bound kernel, for Nsight Compute.
 
 Runs, at K3's widths, each once after a warm-up call: the MoE gate+up and down kernels at 16 tokens
-(decode tiles, the default decode or NCU_DECODE), the gate+up kernel at 4096 tokens (prefill tiles;
-NCU_TOKENS changes the token counts), and the KDA
-decode step at N = 32, H = 96 (the default, and with the tails scattered after the kernel). Under
-`ncu -k regex:"moe|kda"` the report says where each kernel's time goes (DRAM and shared-memory throughput,
-warp stalls, the SASS of its inner loop: whether the decoded weights go through shared memory on their way
-to the MMA). Without ncu it is a smoke run (PROBE_SMALL=1 shrinks it for the CPU interpreter).
+(decode tiles, the default decode or NCU_DECODE) and the gate+up kernel at 4096 tokens (prefill tiles;
+NCU_TOKENS changes the token counts); the KDA decode step at N = 32, H = 96 (the default, and with the
+tails scattered after the kernel). Under `ncu -k regex:"moe|kda"` the report says where each kernel's time
+goes (DRAM and shared-memory throughput, warp stalls, the SASS of its inner loop). Without ncu it is a
+smoke run; PROBE_SMALL=1 shrinks the KDA part (K) for the CPU interpreter (the MoE part is GPU-sized).
 
-    ncu --clock-control none -k regex:"moe|kda" --set full -o $OUT/probe python3 tests/gpu/probe_ncu.py
+    ncu --clock-control none -k regex:"moe|kda" --set full -o $OUT/probe python3 tests/gpu/probe_ncu.py [MK]
 """
 import os
 import sys
@@ -26,14 +25,14 @@ SMALL = bool(os.environ.get("PROBE_SMALL"))
 
 def moe():
     ex = _random_experts(jax.random.PRNGKey(2), E)
-    for tokens in (2,) if SMALL else [int(t) for t in os.environ.get("NCU_TOKENS", "16,4096").split(",")]:
+    for tokens in [int(t) for t in os.environ.get("NCU_TOKENS", "16,4096").split(",")]:
         xl, idx, w = routing(tokens, tokens)
         cfg = kern.fit(kern.choose_config(idx.size, E), xl.shape[1], ex.w1_packed.shape[1])
         lay, gu, dn, _ = kernel_parts(cfg, os.environ.get("NCU_DECODE", kern.DEFAULT_DECODE))
         lo = lay(idx, w)
         h = jax.block_until_ready(gu(xl, lo, ex))  # warm-up (compiles), then the profiled launches
         jax.block_until_ready(gu(xl, lo, ex))
-        if tokens == 16 or SMALL:
+        if tokens == 16:
             jax.block_until_ready(dn(h, lo, ex))
             jax.block_until_ready(dn(h, lo, ex))
         print(f"moe {tokens} tokens: {cfg}", flush=True)
