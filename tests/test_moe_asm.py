@@ -76,8 +76,8 @@ def run_ptx(asm: str, regs: dict) -> dict:
 
 
 def _cases(scales):
-    """Every byte (256) for every scale byte: packed [S, 256], scale [S, 1] (one group of 32 per 16
-    bytes: each row's 16 groups share the scale)."""
+    """Every byte (256) for every scale byte: packed [S, 256] and scale [S, 16] (a group of 32 elements is
+    16 bytes; a row's 16 groups share its scale byte)."""
     scale = np.asarray(scales, np.uint8)[:, None]
     packed = np.tile(np.arange(256, dtype=np.uint8), (len(scales), 1))
     return packed, np.repeat(scale, 16, axis=1)

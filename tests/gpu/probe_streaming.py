@@ -9,8 +9,8 @@
     checked against the default tiles' exact-decode output: larger blocks per K step, as (S) suggests.
 (D) KDA decode at N = 32 (or D_N), H = 96: the kernel alone (the loop carries only the state pool, so a
     conv-tail scatter is dead code; with the tails in place, the default, it copies the un-donated conv pool
-    instead: compare steps there) against the whole step, for value tiles and warp counts beyond the
-    benchmark's, and the tails scattered after the kernel.
+    instead: compare steps there) against the whole step, for the default, the tails scattered after the
+    kernel, and value tiles of 64 at 2 warps.
 (G) The MoE kernels at K3 widths (G_TOKENS, default 16,512,4096), each regime's default tiles, in the
     G_VARIANTS: launch order (a tile's N blocks first, or the tiles first), decoder and MMA shaping (swap),
     outputs compared bit for bit with the first variant's.
@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
-from moe import E, F, L, _random_experts, copy_bandwidth, kernel_parts, routing, timeit  # noqa: E402
+from moe import E, F, K_TOP, L, _random_experts, copy_bandwidth, kernel_parts, routing, timeit  # noqa: E402
 from pallas_kernels.moe import dispatch as dsp  # noqa: E402
 from pallas_kernels.moe import routed as kern  # noqa: E402
 from pallas_kernels.moe.kernels import _CompilerParams  # noqa: E402
@@ -97,6 +97,31 @@ T_TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 3), (64, 512, 8, 3), (
            (32, 512, 8, 3), (16, 512, 4, 3), (128, 256, 8, 3)]
 
 
+def _case(tokens, bm):
+    """Routing of `tokens` tokens over the probe's experts: (xl, block layout, active bytes, used-slot mask)."""
+    xl, idx, w = routing(tokens, tokens)
+    if SMALL:
+        xl = xl[:, :LL]
+    idx = idx % NE
+    lo = dsp.block_layout(idx, w, NE, bm)
+    return xl, lo, kern.active_bytes(idx, LL, FF), np.asarray(lo.slot_weight) != 0  # unused rows: never written
+
+
+def _run(cfg, decode, xl, lo, ex, used):
+    """The benchmark's jitted kernels (interpreted on the CPU) on one case: gate+up and down seconds, and
+    their outputs on the used slots."""
+    _, gu, dn, _ = kernel_parts(cfg, decode)
+    h = gu(xl, lo, ex)
+    y = dn(h, lo, ex)
+    tg, td = timeit(gu, xl, lo, ex), timeit(dn, h, lo, ex)
+    return tg, td, np.asarray(h, np.float32)[used], np.asarray(y, np.float32)[used]
+
+
+def _rates(nb, tg, td):
+    return (f"gate_up {tg * 1e6:8.1f} us {nb['gate_up'] / tg / 1e12:.2f} TB/s, "
+            f"down {td * 1e6:8.1f} us {nb['down'] / td / 1e12:.2f} TB/s")
+
+
 def part_t():
     from dataclasses import replace
     ex = _random_experts(jax.random.PRNGKey(2), NE)
@@ -104,35 +129,24 @@ def part_t():
     decodes = os.environ.get("T_DECODES", "fast,asm").split(",")
     tiles = T_TILES[:2] if SMALL else T_TILES
     for tokens in [int(t) for t in os.environ.get("T_TOKENS", "16").split(",")]:
-        xl, idx, w = routing(tokens, tokens)
-        if SMALL:
-            xl = xl[:, :LL]
-        idx = idx % NE
-        lo = dsp.block_layout(idx, w, NE, base.bm)
-        nb = kern.active_bytes(idx, LL, FF)
+        xl, lo, nb, used = _case(tokens, base.bm)
         ref_h = ref_y = None
         # the default tiles with the exact decode first: every row is checked against its output
         for (bn, bk, warps, stages), decode in [(tiles[0], "exact")] + [(t, d) for t in tiles for d in decodes]:
             t = kern.Tiles(bn=bn, bk=bk, num_warps=warps, num_stages=stages)
             cfg = kern.fit(replace(base, gate_up=t, down=t), LL, FF)
-            _, gu, dn, _ = kernel_parts(cfg, decode)  # the benchmark's jitted kernels (interpreted on the CPU)
             try:
-                h = gu(xl, lo, ex)
-                y = dn(h, lo, ex)
-                tg, td = timeit(gu, xl, lo, ex), timeit(dn, h, lo, ex)
+                tg, td, hh, yy = _run(cfg, decode, xl, lo, ex, used)
             except Exception as err:  # noqa: BLE001
                 print(f"T {tokens} {cfg.gate_up}: {type(err).__name__} {str(err)[:200]}", flush=True)
                 continue
-            used = np.asarray(lo.slot_weight) != 0  # unused slots' rows are never written
-            hh, yy = np.asarray(h, np.float32)[used], np.asarray(y, np.float32)[used]
             if ref_h is None:
                 ref_h, ref_y = hh, yy
             eh = float(np.abs(hh - ref_h).max() / np.abs(ref_h).max())
             ey = float(np.abs(yy - ref_y).max() / np.abs(ref_y).max())
-            print(f"T {tokens} tok {decode:4s} bn{cfg.gate_up.bn} bk{cfg.gate_up.bk} {warps}w {stages}st: "
-                  f"gate_up {tg * 1e6:8.1f} us "
-                  f"{nb['gate_up'] / tg / 1e12:.2f} TB/s, down bn{cfg.down.bn} bk{cfg.down.bk} {td * 1e6:8.1f} us "
-                  f"{nb['down'] / td / 1e12:.2f} TB/s; vs default exact {eh:.1e} / {ey:.1e}", flush=True)
+            print(f"T {tokens} tok {decode:4s} bn{cfg.gate_up.bn} bk{cfg.gate_up.bk} / down bn{cfg.down.bn} "
+                  f"bk{cfg.down.bk}, {warps}w {stages}st: {_rates(nb, tg, td)}; vs default exact {eh:.1e} / "
+                  f"{ey:.1e}", flush=True)
 
 
 G_VARIANTS = {"tiles-first": (False, "asm", False), "n-first": (True, "asm", False),
@@ -144,29 +158,17 @@ def part_g():
     ex = _random_experts(jax.random.PRNGKey(2), NE)
     names = os.environ.get("G_VARIANTS", ",".join(G_VARIANTS)).split(",")
     for tokens in [int(t) for t in os.environ.get("G_TOKENS", "2" if SMALL else "16,512,4096").split(",")]:
-        xl, idx, w = routing(tokens, tokens)
-        if SMALL:
-            xl = xl[:, :LL]
-        idx = idx % NE
-        base = kern.fit(kern.choose_config(idx.size, NE), LL, FF)
-        lo = dsp.block_layout(idx, w, NE, base.bm)
-        nb = kern.active_bytes(idx, LL, FF)
-        used = np.asarray(lo.slot_weight) != 0
+        base = kern.fit(kern.choose_config(tokens * K_TOP, NE), LL, FF)
+        xl, lo, nb, used = _case(tokens, base.bm)
         first = None
         for name in names:
             n_first, decode, swap = G_VARIANTS[name]
             cfg = replace(base, gate_up=replace(base.gate_up, n_first=n_first, swap=swap),
                           down=replace(base.down, n_first=n_first, swap=swap))
-            _, gu, dn, _ = kernel_parts(cfg, decode)
-            h = gu(xl, lo, ex)
-            y = dn(h, lo, ex)
-            tg, td = timeit(gu, xl, lo, ex), timeit(dn, h, lo, ex)
-            out = (np.asarray(h, np.float32)[used], np.asarray(y)[used])
+            tg, td, *out = _run(cfg, decode, xl, lo, ex, used)
             first = first or out
             same = all(np.array_equal(a, b) for a, b in zip(out, first))
-            print(f"G {tokens} tok {name}: gate_up {tg * 1e6:8.1f} us {nb['gate_up'] / tg / 1e12:.2f} TB/s, "
-                  f"down {td * 1e6:8.1f} us {nb['down'] / td / 1e12:.2f} TB/s; same bits as the first: {same}",
-                  flush=True)
+            print(f"G {tokens} tok {name}: {_rates(nb, tg, td)}; same bits as the first: {same}", flush=True)
 
 
 def part_b():
