@@ -12,7 +12,7 @@ With --sweep the prefill part tries the best one-phase tuning and six of the two
 tuning phases=2: the per-chunk work parallel over (chunk, head), then the serial state kernel) around the
 default, varying phase 1's warps, chunks per program and stages, and u0 in bf16, printing
 each one's time and errors and reporting the best of each variant; the
-decode part tries value tiles (block_v) of 32, 64 and 128 (= V, the default whole-V kernel) with 4 and 8
+decode part tries value tiles (block_v) of 16, 32, 64 and 128 (= V, the default whole-V kernel) with 1 to 4
 warps, printing each one's time, bandwidth and errors. --prefill-shapes / --decode-ns / --decode-heads
 shrink the shapes (on a CPU the kernels run interpreted: a smoke test, not a measurement), e.g.
 
@@ -40,8 +40,10 @@ from pallas_kernels.kda import prefill as pprefill
 
 PREFILL_SHAPES = [(1, 8192, 96), (1, 32768, 96), (8, 2048, 12), (16, 4096, 12)]
 DECODE_NS = [1, 32, 256]
-# decode: value tile (block_v 128 = V: one program per (sequence, head), the default kernel) x warps
-DECODE_TUNINGS = [dict(block_v=bv, num_warps=w, num_stages=1) for bv in (32, 64, 128) for w in (4, 8)]
+# decode: value tile (block_v 128 = V: one program per (sequence, head), the default kernel) x warps; the
+# value tiles are one launch since 2026-12-02 (their last tile per head norms the row), fla's shape is 32 x 4
+DECODE_TUNINGS = [dict(block_v=bv, num_warps=w, num_stages=1)
+                  for bv, w in [(128, 4), (64, 2), (64, 4), (32, 1), (32, 2), (32, 4), (16, 1), (16, 2)]]
 DK = DV = 128
 WIDTH = 4
 TUNINGS = [dict(phases=1, chunk=32, block_v=128, num_warps=8, num_stages=2)]  # the best one-phase tuning so far

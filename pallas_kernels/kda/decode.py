@@ -7,15 +7,15 @@ the new conv tails back into their slots (both pools are aliased inputs/outputs,
 caller donates them). Bandwidth-bound: the state is read and written once. Implements
 `kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
 
-Value split (`tuning=dict(block_v=B)`, B a power of two below V that divides it): the grid becomes
-(N, H, V // B), more and smaller programs (a [K, B] slice of the state each, fewer registers). The
-prediction, the delta-rule update and the read are independent per value column, so each program
+Value tiles (`tuning=dict(block_v=B)`, B a power of two below V that divides it), still one launch: the
+grid becomes (V // B, N, H), more and smaller programs (a [K, B] slice of the state each, fewer registers).
+The prediction, the delta-rule update and the read are independent per value column, so each program
 recomputes the head's q/k conv + SiLU, the gate and the q/k L2 norm (K channels each), convolves only its
-B value channels, and updates and reads only its state slice. The output RMSNorm needs the whole value
-row: the kernel writes the un-normed fp32 output and the gated RMSNorm runs after it in plain JAX over
-[N, H, V] (N*H*V*4 bytes, 1/K of the state traffic). Only the programs of value tile 0 write the new
-conv tails, into a fresh [N, ...] output that a scatter puts in their slots. The default (block_v None or
-V) is the whole-V kernel above.
+B value channels, updates and reads only its state slice, and writes its un-normed fp32 output slice and
+its value channels' conv tails. The output RMSNorm needs the whole value row, and the q/k tails are read
+by every tile of the head: so each program then increments a per-(sequence, head) counter (an atomic add
+after a CTA barrier: the grid-sync pattern, which makes the program's stores visible before the count),
+and the program that brings it to V // B, the head's last, norms the row and writes the q/k tails.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from kimik3_jax.ops.kda import L2_EPS
 from pallas_kernels.kda.common import compiler_params, resolve_interpret
 
 # block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29).
-# tails_in_place (None: for the whole-V kernel): the kernel writes the new conv tails into their slots of the
-# aliased conv pool, instead of a fresh [N, ...] output that a scatter after the kernel puts in place (15% of
-# a step at N = 32, H = 96). Checked on the H200 at N = 1, 32 and 256, untouched slots bit for bit
-# (tests/gpu/test_kda_gpu.py, 2026-12-02). The value split always scatters: its other value tiles read the
-# tails that tile 0 would overwrite.
+# tails_in_place (None or True: in place): the kernel writes the new conv tails into their slots of the aliased
+# conv pool; False (whole-V kernel only): into a fresh [N, ...] output that a scatter after the kernel puts in
+# place (15% of a step at N = 32, H = 96). In place was checked on the H200 at N = 1, 32 and 256, untouched
+# slots bit for bit (tests/gpu/test_kda_gpu.py, 2026-12-02).
 TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None)
 
 
@@ -97,52 +96,59 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
         tails_out[row, j, r, cs] = t
 
 
-def _decode_split_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref,
-                         o_ref, tails_out, s_out, *, bv, lower_bound, gate, qk_norm):
-    """One program per (sequence, head, value tile): the whole-V kernel's arithmetic on a [K, bv] slice
-    of the state, the output written un-normed in fp32 (the gated RMSNorm follows the kernel)."""
+def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
+                         nw_ref, cnt_in, o_ref, tails_out, s_out, o_raw, cnt_ref, *, bv, lower_bound, gate, qk_norm,
+                         eps, interpret):
+    """One program per (value tile, sequence, head): the whole-V kernel's arithmetic on a [K, bv] slice of
+    the state. The last of a head's tiles to finish (a counter per (sequence, head), incremented once per
+    program) applies the gated RMSNorm to the head's whole output row and writes the head's new q/k conv
+    tails; each tile writes its own v channels' tails (only it reads them)."""
+    del cnt_in  # aliased to cnt_ref
     f32 = jnp.float32
-    n, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dk = s_ref.shape[-2]
+    t, n, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dk, dv = s_ref.shape[-2], s_ref.shape[-1]
     width = w_ref.shape[-1]
     act = qkv_ref.dtype
     slot = slots_ref[n]
     active = lens_ref[n] > 0
-    first = t == 0
-    cs = pl.ds(h * dk, dk)  # the head's channels of q, k (and of v, for the tails)
+    cs = pl.ds(h * dk, dk)  # the head's q and k channels
     vs = pl.ds(h * dk + t * bv, bv)  # this tile's value channels
-    keep = jnp.broadcast_to(active, (dk,))
-    write_tails = jnp.broadcast_to(first, (dk,))
+    cols = pl.ds(t * bv, bv)
 
     def conv(j, chans, size):
-        x = qkv_ref[n, j, chans]
-        hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [x]
+        hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [qkv_ref[n, j, chans]]
         y = jnp.zeros((size,), f32)
         for r in range(width):
             y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
         return jax.nn.silu(y).astype(act).astype(f32), hist
 
-    cols = pl.ds(t * bv, bv)
+    def store_tails(j, chans, hist, size):  # the tail moves by one token (an inactive row keeps its tail)
+        keep = jnp.broadcast_to(active, (size,))
+        for r in range(width - 1):
+            tails_out[slot, j, r, chans] = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
+
     s0 = s_ref[slot, h, :, cols]  # first, and every store last, as in the whole-V kernel
-    ys, tails = [], []
-    for j in range(3):
-        if j < 2:
-            y, hist = conv(j, cs, dk)
-            ys.append(y)
-        else:
-            hist = [conv_ref[slot, j, r, cs] for r in range(width - 1)] + [qkv_ref[n, j, cs]]
-        for r in range(width - 1):  # the tail moves by one token (an inactive row keeps its tail); tile 0 writes
-            tails.append((j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)))
-    q, k = ys
-    v, _ = conv(2, vs, bv)
+    (q, hq), (k, hk), (v, hv) = conv(0, cs, dk), conv(1, cs, dk), conv(2, vs, bv)
     q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
     s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
     pred = jnp.sum(s * k[:, None], axis=0)
     s = s + k[:, None] * (beta * (v - pred))[None, :]
-    o_ref[n, h, cols] = jnp.sum(s * q[:, None], axis=0)  # read after the update, un-normed fp32
+    o_raw[n, h, cols] = jnp.sum(s * q[:, None], axis=0)  # read after the update, un-normed fp32
     plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, bv)))
-    for j, r, new in tails:  # (array indices: the interpreter's masked store rejects Python ints, jax 0.10.2)
-        plt.store(tails_out.at[n, jnp.int32(j), jnp.int32(r), cs], new, mask=write_tails)
+    # Publish: every thread's stores (and loads) come before the CTA barrier, which comes before the counter's
+    # atomic add (acquire-release, GPU scope: the grid-sync pattern). The interpreter runs programs one by one.
+    if not interpret:
+        plt.debug_barrier()
+    store_tails(2, vs, hv, bv)  # after the barrier: every thread of this program has read these channels
+    done = plt.atomic_add(cnt_ref, (n, h), jnp.ones((), jnp.int32))
+
+    @pl.when(done == dv // bv - 1)
+    def _last():  # every tile of the head has stored its output slice and has read the q/k tails
+        o = plt.load(o_raw.at[n, h, :], volatile=True)  # the other tiles' slices from L2, not a stale L1 line
+        o = o * jax.lax.rsqrt(jnp.sum(o * o) / dv + eps) * nw_ref[...].astype(f32)
+        o_ref[n, h, :] = (o * jax.nn.sigmoid(gate_ref[n, h, :].astype(f32))).astype(o_ref.dtype)
+        store_tails(0, cs, hq, dk)
+        store_tails(1, cs, hk, dk)
 
 
 def block_v_of(tuning: dict, dv: int) -> int:
@@ -186,49 +192,48 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     a_log_arr = jnp.zeros((nh,), jnp.float32) if a_log is None else a_log.astype(jnp.float32)
     dv = s_pool.shape[-1]
     bv = block_v_of(t, dv)
-    in_place = bv == dv if t["tails_in_place"] is None else bool(t["tails_in_place"])
-    if in_place and bv < dv:  # the other value tiles of a head read the tails that tile 0 would overwrite
-        raise ValueError(f"kda_decode kernel: tails_in_place needs the whole-V kernel, not block_v = {bv}")
-    kernel = functools.partial(
-        _decode_kernel, lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
-        gate=a_log is not None, qk_norm=qk_norm, eps=float(eps), in_place=in_place)
+    in_place = t["tails_in_place"] is not False
+    if not in_place and bv < dv:
+        raise ValueError(f"kda_decode kernel: the value tiles (block_v = {bv}) always write the tails in place; "
+                         "tails_in_place=False needs the whole-V kernel")
+    slots = slots.astype(jnp.int32)
+    lb = float(lower_bound) if lower_bound is not None else 0.0
+    if bv < dv:
+        return _decode_tiles(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
+                             eps=float(eps), tuning=t, interpret=resolve_interpret(interpret), lower_bound=lb,
+                             gate_on=a_log is not None, qk_norm=qk_norm)
+    kernel = functools.partial(_decode_kernel, lower_bound=lb, gate=a_log is not None, qk_norm=qk_norm,
+                               eps=float(eps), in_place=in_place)
     # Both pools are aliased (updated in place) by default; without tails_in_place the kernel writes each
     # row's new tails (221 KB per sequence at K3's widths, 4% of its state traffic) and a scatter puts them
     # in their slots.
     out_shape = (jax.ShapeDtypeStruct((nb, nh, s_pool.shape[-1]), qkv.dtype),
                  jax.ShapeDtypeStruct(conv_pool.shape if in_place else (nb,) + conv_pool.shape[1:], conv_pool.dtype),
                  jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
-    slots = slots.astype(jnp.int32)
-    if bv < dv:
-        o, tails, s_pool = _decode_split(
-            qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv, eps=float(eps),
-            tuning=t, interpret=resolve_interpret(interpret),
-            lower_bound=float(lower_bound) if lower_bound is not None else 0.0, gate_on=a_log is not None,
-            qk_norm=qk_norm)
-    else:
-        o, tails, s_pool = pl.pallas_call(
-            kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={5: 1, 6: 2} if in_place else {6: 2},
-            interpret=resolve_interpret(interpret), name="kda_decode",
-            compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
-        )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)
+    o, tails, s_pool = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={5: 1, 6: 2} if in_place else {6: 2},
+        interpret=resolve_interpret(interpret), name="kda_decode",
+        compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
+    )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)
     return o, (tails if in_place else conv_pool.at[slots].set(tails)), s_pool
 
 
-def _decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, *, bv, eps,
+def _decode_tiles(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, *, bv, eps,
                   tuning, interpret, lower_bound, gate_on, qk_norm):
-    """The value-split launch (grid (N, H, V // bv)), then the gated RMSNorm of the fp32 output; each row's
-    new tails in a fresh [N, ...] output (only the state pool is aliased: see TUNING's tails_in_place)."""
-    f32 = jnp.float32
+    """The value-tile launch: grid (V // bv, N, H), a head's tiles next to each other (they share the q/k
+    prologue's inputs and the output row in L2); both pools in place, plus a zeroed counter per (sequence,
+    head) and the un-normed fp32 output row that the head's last tile norms."""
     nb, nh, dv = qkv.shape[0], s_pool.shape[1], s_pool.shape[-1]
-    kernel = functools.partial(_decode_split_kernel, bv=bv, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm)
-    out_shape = (jax.ShapeDtypeStruct((nb, nh, dv), f32),
-                 jax.ShapeDtypeStruct((nb,) + conv_pool.shape[1:], conv_pool.dtype),
-                 jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
-    o, tails, s_pool = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(nb, nh, dv // bv), input_output_aliases={6: 2},
-        interpret=interpret, name="kda_decode_split",
+    kernel = functools.partial(_decode_tiles_kernel, bv=bv, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm,
+                               eps=eps, interpret=interpret)
+    out_shape = (jax.ShapeDtypeStruct((nb, nh, dv), qkv.dtype),
+                 jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+                 jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype),
+                 jax.ShapeDtypeStruct((nb, nh, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((nb, nh), jnp.int32))
+    o, conv_pool, s_pool, _, _ = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(dv // bv, nb, nh), input_output_aliases={5: 1, 6: 2, 11: 4},
+        interpret=interpret, name="kda_decode_tiles",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
-    )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta)
-    o = o * jax.lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps) * norm_w.astype(f32)
-    o = (o * jax.nn.sigmoid(gate.astype(f32))).astype(qkv.dtype)
-    return o, tails, s_pool
+    )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w, jnp.zeros((nb, nh), jnp.int32))
+    return o, conv_pool, s_pool

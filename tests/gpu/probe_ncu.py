@@ -3,7 +3,9 @@
 Runs, at K3's widths, each once after a warm-up call: the MoE gate+up and down kernels at 16 tokens
 (decode tiles, the default decode or NCU_DECODE) and the gate+up kernel at 4096 tokens (prefill tiles;
 NCU_TOKENS changes the token counts); the KDA decode step at N = 32, H = 96 (the default, and with the
-tails scattered after the kernel). Under `ncu -k regex:"moe|kda"` the report says where each kernel's time
+tails scattered after the kernel, or the tunings NCU_KDA names, e.g. "32x4,128x4" for value tiles x warps);
+the KDA prefill (P) at (1, 8192, 96), default tuning (its two phases); fla's `fused_recurrent_kda` (F) at
+the decode shape, the peer's kernel for the same counters. Under `ncu -k regex:"moe|kda"` the report says where each kernel's time
 goes (DRAM and shared-memory throughput, warp stalls, the SASS of its inner loop). Without ncu it is a
 smoke run; PROBE_SMALL=1 shrinks the KDA part (K) for the CPU interpreter (the MoE part is GPU-sized).
 
@@ -42,12 +44,41 @@ def kda():
     n, h = (2, 2) if SMALL else (32, 96)
     qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, h)
     kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0)
-    for tuning in (None, dict(tails_in_place=False)):
+    spec = os.environ.get("NCU_KDA")
+    tunings = ([dict(block_v=int(b), num_warps=int(w)) for b, w in (x.split("x") for x in spec.split(","))]
+               if spec else (None, dict(tails_in_place=False)))
+    for tuning in tunings:
         f = jax.jit(lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w,
                                                         tuning=t, **kw))
         jax.block_until_ready(f(conv_pool, s_pool))
         jax.block_until_ready(f(conv_pool, s_pool))
         print(f"kda decode N={n} {tuning}", flush=True)
+
+
+def prefill():
+    from kda import prefill_inputs
+    from pallas_kernels.kda.prefill import kda_prefill
+    b, t, h = (1, 64, 2) if SMALL else (1, 8192, 96)
+    q, k, v, g, beta, s0 = prefill_inputs(b, t, h)
+    f = jax.jit(lambda *a: kda_prefill(*a, qk_norm=True, out_dtype=jax.numpy.bfloat16))  # as benchmarks/kda.py
+    jax.block_until_ready(f(q, k, v, g, beta, s0))
+    jax.block_until_ready(f(q, k, v, g, beta, s0))
+    print(f"kda prefill {(b, t, h)}", flush=True)
+
+
+def fla():
+    import torch
+    from fla.ops.kda import fused_recurrent_kda
+    n, h, d = 32, 96, 128
+    q, k = (torch.randn(n, 1, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(n, 1, h, d, device="cuda", dtype=torch.bfloat16)
+    g = -5 * torch.sigmoid(torch.randn(n, 1, h, d, device="cuda"))
+    beta = torch.sigmoid(torch.randn(n, 1, h, device="cuda"))
+    s = 0.1 * torch.randn(n, h, d, d, device="cuda")
+    for _ in range(2):
+        fused_recurrent_kda(q, k, v, g, beta, initial_state=s, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.cuda.synchronize()
+    print(f"fla fused_recurrent_kda N={n}", flush=True)
 
 
 if __name__ == "__main__":
@@ -56,3 +87,7 @@ if __name__ == "__main__":
         moe()
     if "K" in parts:
         kda()
+    if "P" in parts:
+        prefill()
+    if "F" in parts:
+        fla()

@@ -125,3 +125,30 @@ def test_decode_matches_reference(n, tuning):
     np.testing.assert_array_equal(np.asarray(s)[untouched], np.asarray(args[3])[untouched])
     np.testing.assert_array_equal(np.asarray(c, np.float32)[untouched], np.asarray(args[2], np.float32)[untouched])
 
+
+
+@pytest.mark.parametrize("tuning", [dict(block_v=32, num_warps=4), dict(block_v=16, num_warps=1)],
+                         ids=["bv32", "bv16-1w"])
+def test_decode_tiles_repeated_steps_match_whole_v(tuning):
+    """Value tiles against the whole-V kernel over 24 back-to-back steps at N = 256 (the same per-column
+    arithmetic: states agree to fp32 reduction order). Each step's head output is normed by whichever tile
+    of the head finishes last, after the counter says the others have stored their slices; a tile that read
+    a slice before it was stored, or q/k tails after the last tile rewrote them, would show here as
+    bf16-level or larger differences (outputs), or as unequal tails."""
+    args, kw = decode_case(256)
+    qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w = args
+
+    def steps(t):
+        def body(i, c):
+            cp, sp, acc = c
+            o, cp, sp = kda_decode(jnp.roll(qkv, i, axis=0), conv_w, cp, sp, slots, z, beta, gate, norm_w,
+                                   tuning=t, **kw)
+            return cp, sp, acc + o.astype(jnp.float32) * (i + 1)
+        return jax.jit(lambda cp, sp: jax.lax.fori_loop(0, 24, body, (cp, sp, jnp.zeros(gate.shape))))(
+            conv_pool, s_pool)
+
+    c1, s1, o1 = steps(None)
+    c2, s2, o2 = steps(tuning)
+    np.testing.assert_array_equal(np.asarray(c2, np.float32), np.asarray(c1, np.float32))
+    assert rel(s2, s1) < 1e-5
+    assert rel(o2, o1) < BF16_LEVEL
