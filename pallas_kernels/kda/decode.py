@@ -36,7 +36,18 @@ from pallas_kernels.kda.common import compiler_params, resolve_interpret
 # conv pool; False (whole-V kernel only): into a fresh [N, ...] output that a scatter after the kernel puts in
 # place (15% of a step at N = 32, H = 96). In place was checked on the H200 at N = 1, 32 and 256, untouched
 # slots bit for bit (tests/gpu/test_kda_gpu.py, 2026-12-02).
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None)
+# heads_fastest: the launch runs a sequence's heads back to back (grid (..., H, N)), so that consecutive programs
+# read adjacent states of one slot, instead of the same head of every sequence (grid (..., N, H)).
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=False)
+
+
+def _grid(nb: int, nh: int, heads_fastest: bool, tiles: tuple = ()):
+    """The launch grid (`tiles` first, then rows and heads in the order asked for) and the kernel's
+    (*tile, n, h) from its program ids."""
+    k = len(tiles)
+    if heads_fastest:
+        return tiles + (nh, nb), lambda: (*(pl.program_id(i) for i in range(k)), pl.program_id(k + 1), pl.program_id(k))
+    return tiles + (nb, nh), lambda: tuple(pl.program_id(i) for i in range(k + 2))
 
 
 def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
@@ -56,9 +67,9 @@ def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate
 
 
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
-                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place):
+                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place, ids):
     f32 = jnp.float32
-    n, h = pl.program_id(0), pl.program_id(1)
+    n, h = ids()
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
     width = w_ref.shape[-1]
     act = qkv_ref.dtype
@@ -98,14 +109,14 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
 
 def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
                          nw_ref, cnt_in, o_ref, tails_out, s_out, o_raw, cnt_ref, *, bv, lower_bound, gate, qk_norm,
-                         eps, interpret):
+                         eps, interpret, ids):
     """One program per (value tile, sequence, head): the whole-V kernel's arithmetic on a [K, bv] slice of
     the state. The last of a head's tiles to finish (a counter per (sequence, head), incremented once per
     program) applies the gated RMSNorm to the head's whole output row and writes the head's new q/k conv
     tails; each tile writes its own v channels' tails (only it reads them)."""
     del cnt_in  # aliased to cnt_ref
     f32 = jnp.float32
-    t, n, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t, n, h = ids()
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
     width = w_ref.shape[-1]
     act = qkv_ref.dtype
@@ -202,8 +213,9 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
         return _decode_tiles(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
                              eps=float(eps), tuning=t, interpret=resolve_interpret(interpret), lower_bound=lb,
                              gate_on=a_log is not None, qk_norm=qk_norm)
+    grid, ids = _grid(nb, nh, t["heads_fastest"])
     kernel = functools.partial(_decode_kernel, lower_bound=lb, gate=a_log is not None, qk_norm=qk_norm,
-                               eps=float(eps), in_place=in_place)
+                               eps=float(eps), in_place=in_place, ids=ids)
     # Both pools are aliased (updated in place) by default; without tails_in_place the kernel writes each
     # row's new tails (221 KB per sequence at K3's widths, 4% of its state traffic) and a scatter puts them
     # in their slots.
@@ -211,7 +223,7 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
                  jax.ShapeDtypeStruct(conv_pool.shape if in_place else (nb,) + conv_pool.shape[1:], conv_pool.dtype),
                  jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype))
     o, tails, s_pool = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(nb, nh), input_output_aliases={5: 1, 6: 2} if in_place else {6: 2},
+        kernel, out_shape=out_shape, grid=grid, input_output_aliases={5: 1, 6: 2} if in_place else {6: 2},
         interpret=resolve_interpret(interpret), name="kda_decode",
         compiler_params=compiler_params(t["num_warps"], t["num_stages"]),
     )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w)
@@ -224,15 +236,16 @@ def _decode_tiles(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, 
     prologue's inputs and the output row in L2); both pools in place, plus a zeroed counter per (sequence,
     head) and the un-normed fp32 output row that the head's last tile norms."""
     nb, nh, dv = qkv.shape[0], s_pool.shape[1], s_pool.shape[-1]
+    grid, ids = _grid(nb, nh, tuning["heads_fastest"], (dv // bv,))
     kernel = functools.partial(_decode_tiles_kernel, bv=bv, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm,
-                               eps=eps, interpret=interpret)
+                               eps=eps, interpret=interpret, ids=ids)
     out_shape = (jax.ShapeDtypeStruct((nb, nh, dv), qkv.dtype),
                  jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
                  jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype),
                  jax.ShapeDtypeStruct((nb, nh, dv), jnp.float32),
                  jax.ShapeDtypeStruct((nb, nh), jnp.int32))
     o, conv_pool, s_pool, _, _ = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(dv // bv, nb, nh), input_output_aliases={5: 1, 6: 2, 11: 4},
+        kernel, out_shape=out_shape, grid=grid, input_output_aliases={5: 1, 6: 2, 11: 4},
         interpret=interpret, name="kda_decode_tiles",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
     )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, s_pool, g, beta, gate, norm_w, jnp.zeros((nb, nh), jnp.int32))

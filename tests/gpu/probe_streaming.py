@@ -7,10 +7,9 @@
 (T) The decode-regime tiles (bn, bk, warps, stages) of gate+up and down at K3 widths (T_TOKENS, default 16),
     with the fast and the asm decodes (T_DECODES; "reinterpret" adds the no-decode diagnostic), each
     checked against the default tiles' exact-decode output: larger blocks per K step, as (S) suggests.
-(D) KDA decode at N = 32 (or D_N), H = 96: the kernel alone (the loop carries only the state pool, so a
-    conv-tail scatter is dead code; with the tails in place, the default, it copies the un-donated conv pool
-    instead: compare steps there) against the whole step, for the default, the tails scattered after the
-    kernel, and value tiles of 64 at 2 warps.
+(D) KDA decode at N = 32 and 256 (D_N), H = 96: the step time by difference of a 200- and a 100-step loop
+    (without the per-call copy of the un-donated pools), for the D_TUNINGS (block_v x warps, "h" for heads
+    fastest), and the ops one step's compiled HLO launches besides the kernel.
 (G) The MoE kernels at K3 widths (G_TOKENS, default 16,512,4096), each regime's default tiles, in the
     G_VARIANTS: launch order (a tile's N blocks first, or the tiles first), decoder and MMA shaping (swap),
     outputs compared bit for bit with the first variant's.
@@ -183,24 +182,37 @@ def part_b():
 def part_d():
     from kda import bench_jax, decode_inputs
     from pallas_kernels.kda.decode import kda_decode
-    n, h = (2, 2) if SMALL else (int(os.environ.get("D_N", 32)), 96)
-    qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, h)
-    kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0, interpret=SMALL or None)
-    steps = 2 if SMALL else 100
-    nbytes = 2 * s_pool.size * 4
-    for tuning in (None, dict(tails_in_place=False), dict(block_v=64, num_warps=2)):
-        step = lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t,
-                                                  **kw)
-        whole = jax.jit(lambda cp, sp, step=step: jax.lax.fori_loop(0, steps, lambda i, c: step(*c)[1:], (cp, sp)))
-        alone = jax.jit(lambda sp, step=step: jax.lax.fori_loop(0, steps, lambda i, s: step(conv_pool, s)[2], sp))
-        try:
-            tw = bench_jax(whole, conv_pool, s_pool, reps=5) / steps
-            ta = bench_jax(alone, s_pool, reps=5) / steps
-        except Exception as err:  # noqa: BLE001
-            print(f"D {tuning}: {type(err).__name__} {str(err)[:200]}", flush=True)
-            continue
-        print(f"D {tuning}: step {1e3 * tw:.1f} us ({nbytes / tw / 1e9:.2f} TB/s), kernel alone {1e3 * ta:.1f} us "
-              f"({nbytes / ta / 1e9:.2f} TB/s)", flush=True)
+    ns = [2] if SMALL else [int(x) for x in os.environ.get("D_N", "32,256").split(",")]
+    spec = os.environ.get("D_TUNINGS", "128x4,128x4h,32x4,32x4h,64x2h")  # block_v x warps, h: heads fastest
+    tunings = [dict(block_v=int(b), num_warps=int(w.rstrip("h")), heads_fastest=w.endswith("h"))
+               for b, w in (x.split("x") for x in spec.split(","))]
+    for n in ns:
+        h = 2 if SMALL else 96
+        qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, h)
+        kw = dict(eps=1e-5, a_log=a_log, lower_bound=-5.0, interpret=SMALL or None)
+        nbytes = 2 * s_pool.size * 4
+        for tuning in tunings:
+            if SMALL:
+                tuning = dict(tuning, block_v=min(tuning["block_v"], 16))
+            step = lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t,
+                                                      **kw)
+            loops = {k: jax.jit(lambda cp, sp, k=k, step=step: jax.lax.fori_loop(
+                0, k, lambda i, c: step(*c)[1:], (cp, sp), unroll=min(k, 10))) for k in ((2, 4) if SMALL else (100, 200))}
+            try:
+                (k1, f1), (k2, f2) = loops.items()
+                t1, t2 = (bench_jax(f, conv_pool, s_pool, reps=5) for f in (f1, f2))
+            except Exception as err:  # noqa: BLE001
+                print(f"D N={n} {tuning}: {type(err).__name__} {str(err)[:200]}", flush=True)
+                continue
+            per = (t2 - t1) / (k2 - k1)  # per step, without the per-call copies of the un-donated pools
+            print(f"D N={n} {tuning}: {1e3 * per:.1f} us/step ({nbytes / per / 1e9:.2f} TB/s) by difference; "
+                  f"{1e3 * t1 / k1:.1f} us/step in the {k1}-step call", flush=True)
+            if tuning is tunings[0] and not SMALL:  # what one step launches besides the kernel
+                hlo = jax.jit(step).lower(conv_pool, s_pool).compile().as_text()
+                ops = re.findall(r"= \S+ (copy|fusion|custom-call|broadcast|scatter|dynamic-update-slice)\(", hlo)
+                print(f"D one step's HLO: {len(hlo)} chars, ops {sorted(set(ops))} x {len(ops)}", flush=True)
+                print("\n".join(line.strip()[:160] for line in hlo.splitlines() if re.search(
+                    r"= \S+ (copy|fusion|custom-call|scatter)\(", line)), flush=True)
 
 
 if __name__ == "__main__":
