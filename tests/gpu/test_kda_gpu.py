@@ -100,8 +100,8 @@ def decode_case(n, h=96, w=4):
 
 
 @pytest.mark.parametrize("tuning", [None, dict(tails_in_place=False), dict(block_v=32, num_warps=4),
-                                    dict(block_v=64, num_warps=2)],
-                         ids=["whole", "tails-scattered", "bv32", "bv64-2w"])
+                                    dict(block_v=64, num_warps=2), dict(heads_fastest=True)],
+                         ids=["whole", "tails-scattered", "bv32", "bv64-2w", "whole-heads-fastest"])
 @pytest.mark.parametrize("n", [1, 32, 256])
 def test_decode_matches_reference(n, tuning):
     """None: whole V per program with the conv tails in place (the default); the whole-V kernel with the
@@ -127,8 +127,9 @@ def test_decode_matches_reference(n, tuning):
 
 
 
-@pytest.mark.parametrize("tuning", [dict(block_v=32, num_warps=4), dict(block_v=16, num_warps=1)],
-                         ids=["bv32", "bv16-1w"])
+@pytest.mark.parametrize("tuning", [dict(block_v=32, num_warps=4), dict(block_v=16, num_warps=1),
+                                    dict(block_v=32, num_warps=4, heads_fastest=True)],
+                         ids=["bv32", "bv16-1w", "bv32-heads-fastest"])
 def test_decode_tiles_repeated_steps_match_whole_v(tuning):
     """Value tiles against the whole-V kernel over 24 back-to-back steps at N = 256 (the same per-column
     arithmetic: states agree to fp32 reduction order). Each step's head output is normed by whichever tile
