@@ -10,7 +10,8 @@ plain-JAX chunked scan in fp32 (full-precision matmuls) on the same bf16-rounded
 
 With --sweep the prefill part tries the best one-phase tuning and six of the two-phase kernels (the default;
 tuning phases=2: the per-chunk work parallel over (chunk, head), then the serial state kernel) around the
-default, varying phase 1's warps, chunks per program and stages, and u0 in bf16, printing
+default, varying phase 1's warps, chunks per program and stages, its inverse (substitution or matmul
+series) and u0 in bf16, printing
 each one's time and errors and reporting the best of each variant; the
 decode part tries value tiles (block_v) of 16, 32, 64 and 128 (= V, the default whole-V kernel) with 1 to 4
 warps, printing each one's time, bandwidth and errors. --prefill-shapes / --decode-ns / --decode-heads
@@ -48,13 +49,15 @@ DK = DV = 128
 WIDTH = 4
 TUNINGS = [dict(phases=1, chunk=32, block_v=128, num_warps=8, num_stages=2)]  # the best one-phase tuning so far
 # two-phase, around the default (chunk 16, tile 64, phase 1 at 2 warps: 2.21 ms, against 2.67 ms at 4 warps and
-# 2.40 ms at 4 warps with u0 in bf16 on 2026-12-01): phase 1's warps, chunks per program and stages, u0 in bf16.
-# Chunk 64 (9-11 ms), chunk 32 (2.68-3.4 ms), value tiles of 32 or 128 (3.0-3.2 ms) and phase 1 at 4 warps
-# lost in the earlier sweeps and are left out.
+# 2.40 ms at 4 warps with u0 in bf16 on 2026-12-01): phase 1's warps, chunks per program and stages, its inverse
+# (the matmul series has fewer cross-warp reductions, so 4 warps again with it), u0 in bf16. Chunk 64
+# (9-11 ms), chunk 32 (2.68-3.4 ms), value tiles of 32 or 128 (3.0-3.2 ms) and phase 1 at 1 warp lost in
+# the earlier sweeps and are left out.
 TWO_PHASE_TUNINGS = [dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=2, phase1_warps=w1,
-                          phase1_chunks=p1, phase1_stages=s1, u0_bf16=u)
-                     for w1, p1, s1, u in [(2, 1, 1, False), (1, 1, 1, False), (2, 1, 1, True), (1, 1, 1, True),
-                                           (2, 2, 2, False), (1, 4, 2, False)]]
+                          phase1_chunks=p1, phase1_stages=s1, u0_bf16=u, phase1_inverse=inv)
+                     for w1, p1, s1, u, inv in [(2, 1, 1, False, "substitution"), (2, 1, 1, False, "series"),
+                                                (4, 1, 1, False, "series"), (2, 1, 1, True, "substitution"),
+                                                (2, 1, 1, True, "series"), (2, 2, 2, False, "substitution")]]
 
 
 def prefill_bytes(b, t, h, tuning):

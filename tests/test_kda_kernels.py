@@ -72,7 +72,7 @@ def run_prefill(x, **kw):
 @pytest.mark.parametrize("t,gates,tuning", [(45, "random", None), (1, "random", ONE), (64, "bound", SMALL),
                                             (37, "bound", ONE), (50, "random", SMALL),
                                             (1, "random", TWO), (64, "bound", TWO_SMALL),
-                                            (50, "random", dict(TWO_SMALL, u0_bf16=True)),
+                                            (50, "random", dict(TWO_64, u0_bf16=True, phase1_inverse="series")),
                                             (50, "bound", dict(TWO_SMALL, phase1_chunks=3, phase1_stages=2)),
                                             (70, "bound", TWO_64)])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
@@ -202,6 +202,8 @@ def test_two_phase_packed_chunks_and_limits():
         k.supports(*args, tuning=dict(phases=3), **kw)
     with pytest.raises(impl_mod.Unsupported, match="phase1_chunks"):
         k.supports(*args, tuning=dict(phases=2, phase1_chunks=0), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="phase1_inverse"):
+        k.supports(*args, tuning=dict(phases=2, phase1_inverse="lu"), **kw)
 
 
 def test_default_falls_back_to_one_phase_past_the_workspace_cap(monkeypatch):

@@ -1,9 +1,11 @@
 """Helpers shared by the KDA kernels: interpret-mode choice, Triton compiler parameters across jax
 versions, the two transposed matmuls (as dot_generals, which the Triton lowering turns into
-tt.trans + tt.dot), and the pieces both prefill kernels run per chunk (the serial loop over a sequence's
-chunks, the state step, the checkpoint store)."""
+tt.trans + tt.dot), the unit lower triangular inverse by matmuls, and the pieces both prefill kernels run
+per chunk (the serial loop over a sequence's chunks, the state step, the checkpoint store)."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,16 @@ def dot_nt(a, b):
 def dot_tn(a, b):
     """a [K, M]^T . b [K, N] -> [M, N] fp32."""
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def series_inverse(a, eye, index: int):
+    """(I + A)^-1 for A nilpotent of index `index` (a power of two: A^index = 0), as the product
+    (I - A)(I + A^2)(I + A^4)...: matmuls only (fp32 accumulation; fp32 operands run as TF32 on the GPU)."""
+    x, p = eye - a, a
+    for _ in range(int(math.log2(index)) - 1):
+        p = jnp.dot(p, p, preferred_element_type=jnp.float32)
+        x = x + jnp.dot(x, p, preferred_element_type=jnp.float32)
+    return x
 
 
 def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int, chunk: int, span):

@@ -26,7 +26,6 @@ workspace) with the same chunk and tiles, unless the caller's tuning names `phas
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +42,7 @@ from pallas_kernels.kda.common import (
     dot_nt,
     resolve_interpret,
     serial_chunks,
+    series_inverse,
 )
 
 # Best of the H200 sweeps (docs/benchmarks.md, 2026-11-29 and 2026-12-01): two phases at chunk 16, value tiles
@@ -95,11 +95,7 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
         k_down = (k * down).astype(bf16)
         a = jnp.where(rows > cols, dot_nt((k * up).astype(bf16), k_down), 0.0) * beta
         m = jnp.where(rows >= cols, dot_nt((q * up).astype(bf16), k_down), 0.0)
-        # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A^C = 0
-        x, p = eye - a, a
-        for _ in range(int(math.log2(chunk)) - 1):
-            p = jnp.dot(p, p, preferred_element_type=f32)
-            x = x + jnp.dot(x, p, preferred_element_type=f32)
+        x = series_inverse(a, eye, chunk)  # (I + A)^-1: A^C = 0
         decay = jnp.exp(gc)
         w = jnp.dot(x, k * decay * beta, preferred_element_type=f32)
         u0 = jnp.dot(x, v * beta, preferred_element_type=f32)
@@ -154,7 +150,7 @@ def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=Fals
     if t["phases"] not in (1, 2):
         raise Unsupported(f"kda_prefill kernel: phases = {t['phases']} is not 1 or 2")
     if t["phases"] == 2:
-        two_phase.check(t["chunk"], lower_bound, Unsupported, t["phase1_chunks"])
+        two_phase.check(t["chunk"], lower_bound, Unsupported, t["phase1_chunks"], t["phase1_inverse"])
     elif lower_bound is not None and t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
         raise Unsupported(f"kda_prefill kernel: gate bound {lower_bound} with chunk {t['chunk']} could overflow")
 

@@ -18,7 +18,9 @@ any chunk size: chunk 64 is allowed at the -5 bound (the one-phase kernel's sing
 X: forward substitution (fp32, elementwise: exact fp32) inside the 16 x 16 diagonal blocks, all blocks at
 once, then the blocks are joined as in `unit_lower_inverse`: with D the block-diagonal inverse and L the
 part of A below the diagonal blocks, (I + A)^-1 = (I + D L)^-1 D, where N = D L is nilpotent of index
-C / 16, so (I + N)^-1 = (I - N)(I + N^2)... (one factor at C = 32, two at C = 64).
+C / 16, so (I + N)^-1 = (I - N)(I + N^2)... (one factor at C = 32, two at C = 64). Tuning
+phase1_inverse="series" instead takes the whole chunk's (I + A)^-1 = (I - A)(I + A^2)... by matmuls
+(`common.series_inverse`, TF32 on the GPU, as the one-phase kernel does).
 
 Workspaces in HBM, [chunks, H, C, ...] (chunks never straddle sequences: sequence n's chunks are rows
 choff[n] .. choff[n] + ceil(len_n / C) - 1):
@@ -40,11 +42,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import L2_EPS, SUB_BLOCK
-from pallas_kernels.kda.common import cdiv, chunk_state_step, compiler_params, dot_nt, serial_chunks
+from pallas_kernels.kda.common import cdiv, chunk_state_step, compiler_params, dot_nt, serial_chunks, series_inverse
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
-# phase 1 at 2 warps: 2.21 ms against 2.67 at 4 warps, (1, 8192, 96) on the H200 (docs/benchmarks.md, 2026-12-01)
-PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False)
+# phase 1 at 2 warps: 2.21 ms against 2.67 at 4 warps, (1, 8192, 96) on the H200 (docs/benchmarks.md, 2026-12-01).
+# phase1_inverse: "substitution" (exact fp32, elementwise; see the module docstring) or "series" (the whole
+# chunk's (I + A)^-1 as (I - A)(I + A^2)...: 2 log2(C) - 2 matmuls, TF32 on the GPU, as the one-phase kernel
+# does; fewer instructions and cross-warp reductions than substitution's C - 1 row steps; not yet timed).
+PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="substitution")
 
 
 def sub_block(chunk: int) -> int:
@@ -58,7 +63,7 @@ def _row_of(x, rows, idx):
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                    w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm,
-                   per_program):
+                   per_program, inverse):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
     (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1; not
     yet measured on a GPU)."""
@@ -111,23 +116,21 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         a_mat = jnp.where(rows > cols, pkk, 0.0) * beta
         m = jnp.where(rows >= cols, pqk, 0.0)
 
-        # forward substitution inside the diagonal sub-blocks, all at once: row r of every block from the
-        # rows above it, X[t] = e_t - sum_{i<t} A[t, i] X[i] (the inverse stays block-diagonal)
-        a_diag = jnp.where(same, a_mat, 0.0)
-        inv = eye
-        for r in range(1, sub):
-            at_r = (rows % sub) == r
-            coef = jnp.sum(jnp.where(at_r, a_diag, 0.0), axis=0)  # [C]: A[row r of block(j), j]
-            acc = jnp.sum(coef[:, None] * inv, axis=0)  # [C]: sum_j coef_j X[j, :], each block's own columns
-            inv = jnp.where(at_r & same, eye - acc[None, :], inv)
-        if nsub > 1:  # join the blocks: (I + A)^-1 = (I + N)^-1 D, N = D L nilpotent of index nsub
-            nmat = jnp.dot(inv, jnp.where(same, 0.0, a_mat), preferred_element_type=f32)
-            x = eye - nmat
-            p = nmat
-            for _ in range(nsub.bit_length() - 2):  # (I - N)(I + N^2)(I + N^4)...
-                p = jnp.dot(p, p, preferred_element_type=f32)
-                x = x + jnp.dot(x, p, preferred_element_type=f32)
-            inv = jnp.dot(x, inv, preferred_element_type=f32)
+        if inverse == "series":  # (I + A)^-1 by matmuls alone: A^C = 0
+            inv = series_inverse(a_mat, eye, chunk)
+        else:
+            # forward substitution inside the diagonal sub-blocks, all at once: row r of every block from the
+            # rows above it, X[t] = e_t - sum_{i<t} A[t, i] X[i] (the inverse stays block-diagonal)
+            a_diag = jnp.where(same, a_mat, 0.0)
+            inv = eye
+            for r in range(1, sub):
+                at_r = (rows % sub) == r
+                coef = jnp.sum(jnp.where(at_r, a_diag, 0.0), axis=0)  # [C]: A[row r of block(j), j]
+                acc = jnp.sum(coef[:, None] * inv, axis=0)  # [C]: sum_j coef_j X[j, :], each block's own columns
+                inv = jnp.where(at_r & same, eye - acc[None, :], inv)
+            if nsub > 1:  # join the blocks: (I + A)^-1 = (I + N)^-1 D, N = D L nilpotent of index nsub
+                nmat = jnp.dot(inv, jnp.where(same, 0.0, a_mat), preferred_element_type=f32)
+                inv = jnp.dot(series_inverse(nmat, eye, nsub), inv, preferred_element_type=f32)
 
         decay = jnp.exp(gc)
         g_end = _row_of(gc, rows, chunk - 1)  # [1, K] total log decay of the chunk
@@ -192,7 +195,7 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
     ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
-                          per_program=tuning["phase1_chunks"]),
+                          per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"]),
         out_shape=[ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, dv, dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
                    ws(chunk, dk, dt=jnp.bfloat16),
                    ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, chunk, dt=jnp.bfloat16), ws(dk, 1, dt=jnp.float32)],
@@ -219,8 +222,11 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     )(cu, choff, cpo, *work, s0)
 
 
-def check(chunk, lower_bound, unsupported, phase1_chunks=1):
+def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="substitution"):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
+    if phase1_inverse not in ("substitution", "series"):
+        raise unsupported(f"kda_prefill two-phase kernel: phase1_inverse = {phase1_inverse!r} is not "
+                          "'substitution' or 'series'")
     if not isinstance(phase1_chunks, int) or phase1_chunks < 1:
         raise unsupported(f"kda_prefill two-phase kernel: phase1_chunks = {phase1_chunks!r} is not an integer >= 1")
     if chunk < 16 or chunk & (chunk - 1):
