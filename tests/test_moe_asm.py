@@ -1,6 +1,6 @@
-"""The PTX of the "asm" MXFP4 decoder (pallas_kernels/moe/decode.py), run by a small NumPy emulator of the
-instructions it uses, on every packed byte and scale byte: its bit logic is checked on the CPU, where the
-kernels themselves run the "fast" stand-in (the GPU tests compile the real thing).
+"""The PTX of the "asm" and "asm1" MXFP4 decoders (pallas_kernels/moe/decode.py), run by a small NumPy
+emulator of the instructions they use, on every packed byte and scale byte: their bit logic is checked on
+the CPU, where the kernels themselves run the "fast" stand-ins (the GPU tests compile the real thing).
 
 Triton hands an instance with pack=4 the 4 packed bytes of consecutive elements in one 32-bit register
 (element 0 in the low byte, $4) and one register per element for every other argument; $0..$3 are the
@@ -107,3 +107,12 @@ def test_asm_bit_logic_is_exact_for_every_byte_and_scale_1_to_254():
     factors = [np.asarray(f) for f in dec.asm_factors(jnp.asarray(scale), packed.shape[-1])]
     got = emulate(dec._ASM, packed, factors)
     np.testing.assert_array_equal(got.view(np.uint16), _want(packed, scale).view(np.uint16))
+
+
+def test_asm1_one_multiply_is_exact_up_to_its_bound_and_only_there():
+    packed, scale = _cases(range(1, dec.QUICK_MAX_SCALE + 1))
+    got = emulate(dec._ASM1, packed, [np.asarray(dec.asm1_factor(jnp.asarray(scale), packed.shape[-1]))])
+    np.testing.assert_array_equal(got.view(np.uint16), _want(packed, scale).view(np.uint16))
+    packed, scale = _cases([dec.QUICK_MAX_SCALE + 1])
+    got = emulate(dec._ASM1, packed, [np.asarray(dec.asm1_factor(jnp.asarray(scale), packed.shape[-1]))])
+    assert not np.array_equal(got.view(np.uint16), _want(packed, scale).view(np.uint16))

@@ -180,32 +180,55 @@ def _wide_scale_experts(rng):
     return ex.replace(**fix)
 
 
-@pytest.mark.parametrize("config,n,k,kind,wide", [(DECODE, 40, 4, "skewed", True), (DECODE, 33, 1, "one_expert", False),
-                                                  (PREFILL, 24, 4, "random", True)],
-                         ids=["decode-uneven-wide", "decode-one-expert", "prefill-wide"])
-def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, wide):
-    """decode="fast" against decode="exact": interpreted, the same weights reach the same
-    dots, so every output bit agrees (uneven and empty groups, all tokens on one expert, scale bytes 1..254)."""
+def _mixed_scale_experts(rng):
+    """The wide-scale experts with every even expert's scale bytes capped at the quick decoder's bound: the
+    programs of even experts may take "asm1"'s quick path, those of odd experts must not."""
+    ex = _wide_scale_experts(rng)
+    even = (np.arange(E) % 2 == 0)[:, None, None]
+    return ex.replace(**{name: jnp.asarray(np.where(even, np.minimum(np.asarray(getattr(ex, name)), dec.QUICK_MAX_SCALE),
+                                                    np.asarray(getattr(ex, name))), jnp.uint8)
+                         for name in ("w1_scale", "w3_scale", "w2_scale")})
+
+
+@pytest.mark.parametrize("config,n,k,kind,scales,decode", [(DECODE, 40, 4, "skewed", "wide", "fast"),
+                                                           (DECODE, 33, 1, "one_expert", "narrow", "fast"),
+                                                           (PREFILL, 24, 4, "random", "wide", "fast"),
+                                                           (DECODE, 40, 4, "skewed", "mixed", "fast1")],
+                         ids=["decode-uneven-wide", "decode-one-expert", "prefill-wide", "decode-mixed-fast1"])
+def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, scales, decode):
+    """decode="fast", and "fast1" (the interpreter's "asm1": its quick decoder, wrong past scale byte 128,
+    serves only the programs whose scale bytes all allow it), against decode="exact": interpreted, the same
+    weights reach the same dots, so every output bit agrees (uneven and empty groups, all tokens on one
+    expert, scale bytes 1..254; "mixed": experts with and without a scale byte past 128)."""
     rng = np.random.default_rng([n, k, 3])
-    experts = _wide_scale_experts(rng) if wide else _experts(rng)
+    experts = {"wide": _wide_scale_experts, "narrow": _experts, "mixed": _mixed_scale_experts}[scales](rng)
     idx, w = _routing(rng, n, k, kind)
-    xl = jnp.asarray(rng.standard_normal((n, L)) * (2.0 ** -12 if wide else 1.0), jnp.bfloat16)
+    xl = jnp.asarray(rng.standard_normal((n, L)) * (1.0 if scales == "narrow" else 2.0 ** -12), jnp.bfloat16)
     run = lambda d: np.asarray(kern.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, config=config,
                                                    interpret=True, decode=d))
-    exact, fast = run("exact"), run("fast")
+    exact, fast = run("exact"), run(decode)
     assert np.isfinite(exact).all() and np.abs(exact).max() > 0
     np.testing.assert_array_equal(fast.view(np.uint32), exact.view(np.uint32))
 
 
 def test_gpu_only_decode_has_a_bit_identical_stand_in():
-    """decode="asm" (PTX, the default) compiles for the GPU only: the interpreter, and tiles whose threads
-    would hold fewer than 4 packed bytes each, run "fast" (the same bits; the GPU tests check the asm)."""
+    """decode="asm" and "asm1" (PTX, "asm" the default) compile for the GPU only: the interpreter, and tiles
+    whose threads would hold fewer than 4 packed bytes each, run "fast" and "fast1" (the same bits, including
+    asm1's quick decoder's wrong values past its bound; the GPU tests check the asm)."""
     big, small = Tiles(64, 256), Tiles(16, 32)
     assert kern_mod._decoders("gate_up", "asm", big, interpret=False) == dec.DECODERS["asm"]
     assert kern_mod._decoders("gate_up", "asm", big, interpret=True) == dec.DECODERS["fast"]
     assert kern_mod._decoders("down", "asm", small, interpret=False) == dec.DECODERS["fast"]
+    assert kern_mod._decoders("gate_up", "asm1", big, interpret=False) == dec.DECODERS["asm1"]
+    assert kern_mod._decoders("gate_up", "asm1", big, interpret=True) == dec.DECODERS["fast1"]
     assert kern_mod._decoders("down", "exact", small, interpret=True) == dec.DECODERS["exact"]
     assert kern_mod.DEFAULT_DECODE == "asm"
+    scale = jnp.asarray([[120, 128, 129, 254]], jnp.uint8)
+    packed = jnp.full((1, 64), 0x77, jnp.uint8)  # +-6 everywhere: wrong past 128 in the quick stand-in only
+    quick = np.asarray(dec.DECODERS["fast1"].quick.full(packed, scale), np.float32).reshape(4, 32)
+    want = np.asarray(dec.decode(packed, scale), np.float32).reshape(4, 32)
+    np.testing.assert_array_equal(quick[:2], want[:2])
+    assert not (quick[2:] == want[2:]).any()
 
 
 def test_out_of_range_expert_ids_are_skipped():

@@ -12,10 +12,13 @@ release uses it), while its subnormal values 0.5 and 1.5 * 2^-127 round to 2^-12
 NaN) is refused when weights are loaded (`mxfp4.check_scales`); here it decodes as inf.
 
 `decode_fast` gets the same bits with fewer integer operations (see its docstring); `decode_asm` with
-fewer still, in PTX (GPU only; see its docstring).
+fewer still, in PTX (GPU only; see its docstring); `decode_asm1` with fewer again, exact for scale bytes up
+to 128 only (GPU only; a kernel program uses it when all its scale bytes allow it: `Decoder`).
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -178,9 +181,73 @@ def reinterpret(packed: jax.Array, scale: jax.Array) -> jax.Array:
     return interleave(*reinterpret_halves(packed, scale))
 
 
-# name -> (decode into element order [r, c], decode into (even, odd) halves [r, c/2] each)
-DECODERS = {"exact": (decode, decode_halves), "fast": (decode_fast, decode_fast_halves),
-            "asm": (decode_asm, decode_asm_halves), "reinterpret": (reinterpret, reinterpret_halves)}
+# "asm1": one multiply where the scale allows it. For scale bytes s <= 128 the factor 2^(s - 1) is itself a
+# bf16 number, so value * 2^-126 * 2^(s - 1) is one exact bf16x2 multiply. Each byte's word is assembled in
+# place: a = q << 4 puts every byte's low nibble where its high nibble is, and prmt takes byte k of a (low
+# nibble) into byte 1 and byte k of q (high nibble) into byte 3, so the placement needs no regrouping. Per 4
+# bytes: 1 shift and 4 x (prmt, 2 ands, shift, or, multiply), against 4 placements, 4 prmt and 8 multiplies
+# in _ASM (15% fewer instructions in the gate+up kernel at 16 tokens, Nsight Compute on the H200, 2026-12-02).
+def _word(k: int) -> str:
+    sel = 0x4400 + 0x1111 * k  # d.byte0, byte1 <- a.byte k; d.byte2, byte3 <- q.byte k (prmt bytes 4-7 are q's)
+    return (f"prmt.b32 w, a, $4, {sel:#x}; and.b32 t, w, 0x70007000; shr.b32 t, t, 6; and.b32 m, w, 0x80008000; "
+            f"or.b32 w, t, m; fma.rn.bf16x2 ${k}, w, ${5 + k}, z; ")
+
+
+_ASM1 = ("{ .reg .b32 a, w, t, m, z; mov.b32 z, 0x80008000; shl.b32 a, $4, 4; "
+         + "".join(_word(k) for k in range(4)) + "}")
+QUICK_MAX_SCALE = 128  # the largest scale byte for which _ASM1 is exact (2^(s - 1) <= 2^127)
+
+
+def asm1_factor(scale: jax.Array, half: int) -> jax.Array:
+    """scale uint8 [r, c/32] -> _ASM1's factor argument per packed byte [r, c/2]: the bf16x2 word of 2^(s - 1)
+    (a bf16 number for s <= QUICK_MAX_SCALE only)."""
+    e = scale.astype(jnp.uint32) + jnp.uint32(126)
+    return per_column((e << 7) | (e << 23), half)
+
+
+def decode_asm1_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Same bits as `decode_asm_halves` for scale bytes up to QUICK_MAX_SCALE, with one multiply and no
+    regrouping (see _ASM1); wrong above it. Kernels use it only for a program whose scale bytes all allow it
+    (`Decoder.quick`). GPU only."""
+    rows, half = packed.shape
+    pairs = pltriton.elementwise_inline_asm(
+        _ASM1, args=[packed, asm1_factor(scale, half)], constraints="=r,=r,=r,=r," + ",".join(["r"] * 5),
+        pack=ASM_PACK, result_shape_dtypes=[jax.ShapeDtypeStruct((rows, half), jnp.int32)])[0]
+    return _bf16(pairs), _bf16(jax.lax.shift_right_logical(pairs, 16))
+
+
+def decode_asm1(packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """`decode_asm1_halves` in element order (GPU only; scale bytes <= QUICK_MAX_SCALE)."""
+    return interleave(*decode_asm1_halves(packed, scale))
+
+
+def _fast_capped_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The interpreter's stand-in for `decode_asm1_halves`: "fast" with scale bytes above QUICK_MAX_SCALE
+    taken as QUICK_MAX_SCALE, so the same bits where _ASM1 is exact and wrong values where it is wrong: the
+    CPU suite's wide-scale cases fail if a kernel uses the quick decoder where it must not."""
+    return decode_fast_halves(packed, jnp.minimum(scale, jnp.uint8(QUICK_MAX_SCALE)))
+
+
+def _fast_capped(packed: jax.Array, scale: jax.Array) -> jax.Array:
+    return interleave(*_fast_capped_halves(packed, scale))
+
+
+class Decoder(NamedTuple):
+    """An in-register decode: into element order [r, c] (`full`) and into (even, odd) halves [r, c/2] each;
+    optionally a quicker decoder, exact only for scale bytes up to quick_max, which a kernel program runs
+    in place of this one when all of its weight rows' scale bytes allow it (one decision per program)."""
+    full: Callable
+    halves: Callable
+    quick: "Decoder | None" = None
+    quick_max: int = 0
+
+
+DECODERS = {"exact": Decoder(decode, decode_halves), "fast": Decoder(decode_fast, decode_fast_halves),
+            "asm": Decoder(decode_asm, decode_asm_halves),
+            "asm1": Decoder(decode_asm, decode_asm_halves, Decoder(decode_asm1, decode_asm1_halves), QUICK_MAX_SCALE),
+            "fast1": Decoder(decode_fast, decode_fast_halves, Decoder(_fast_capped, _fast_capped_halves),
+                             QUICK_MAX_SCALE),
+            "reinterpret": Decoder(reinterpret, reinterpret_halves)}
 # Decoders that only compile for the GPU, and the decoder with the same bits that stands in for them in the
 # interpreter (and for tiles too small for their packing).
-GPU_ONLY = {"asm": "fast"}
+GPU_ONLY = {"asm": "fast", "asm1": "fast1"}

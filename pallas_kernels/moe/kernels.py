@@ -78,18 +78,34 @@ def split_columns(a: jax.Array, bk: int) -> jax.Array:
 
 def _block_product(act_ref, act_rows, w_p_ref, w_s_ref, e, n, kb, *, bk, decode, swap, split):
     """One K block's product of the activation rows with expert e's decoded weight rows n: [bm, bn], or
-    [bn, bm] with swap. act columns are in `split_columns` order when split; decode is a
-    `decode.DECODERS` pair."""
+    [bn, bm] with swap. act columns are in `split_columns` order when split; decode is a `decode.Decoder`."""
     kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
-    full, halves = decode
     if split:
-        ws = halves(w_p_ref[e, n, kp], w_s_ref[e, n, ks])
+        ws = decode.halves(w_p_ref[e, n, kp], w_s_ref[e, n, ks])
         acts = (act_ref[act_rows, pl.ds(kb * bk, bk // 2)], act_ref[act_rows, pl.ds(kb * bk + bk // 2, bk // 2)])
     else:
-        ws = (full(w_p_ref[e, n, kp], w_s_ref[e, n, ks]),)
+        ws = (decode.full(w_p_ref[e, n, kp], w_s_ref[e, n, ks]),)
         acts = (act_ref[act_rows, pl.ds(kb * bk, bk)],)
     parts = [_dot_t(w, a) if swap else _dot_t(a, w) for a, w in zip(acts, ws)]
     return sum(parts[1:], parts[0])
+
+
+def _k_loop(loop, decode, scale_refs, e, n, *, bn, bk, num_k):
+    """`loop(d)` (the program's K loop with decoder d) with `decode`, or with its quick decoder when every
+    scale byte of the program's weight rows (expert e, rows n, in each of scale_refs) allows it: one
+    decision per program, taken before the loop (the elementwise maximum over K blocks, then one reduction),
+    so the loop itself has no branch."""
+    if decode.quick is None:
+        return loop(decode)
+    gb = bk // dec.GROUP
+
+    def block_max(kb, m):
+        for ref in scale_refs:
+            m = jnp.maximum(m, ref[e, n, pl.ds(kb * gb, gb)].astype(jnp.int32))
+        return m
+
+    top = jnp.max(jax.lax.fori_loop(0, num_k, block_max, jnp.zeros((bn, gb), jnp.int32)))
+    return jax.lax.cond(top > decode.quick_max, lambda: loop(decode), lambda: loop(decode.quick))
 
 
 def _grid(tiles: int, blocks: int, n_first: bool):
@@ -113,15 +129,18 @@ def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3
     def _():
         rows = slot_token_ref[pl.ds(t * bm, bm)]  # x is gathered by the tile's tokens
         n = pl.ds(j * bn, bn)
-        prod = functools.partial(_block_product, x_ref, rows, e=e, n=n, bk=bk, decode=decode, swap=swap,
-                                 split=split)
-
-        def step(kb, accs):
-            a1, a3 = accs
-            return a1 + prod(w1p_ref, w1s_ref, kb=kb), a3 + prod(w3p_ref, w3s_ref, kb=kb)
-
         zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
-        a1, a3 = jax.lax.fori_loop(0, num_k, step, (zero, zero))
+
+        def loop(d):
+            prod = functools.partial(_block_product, x_ref, rows, e=e, n=n, bk=bk, decode=d, swap=swap, split=split)
+
+            def step(kb, accs):
+                a1, a3 = accs
+                return a1 + prod(w1p_ref, w1s_ref, kb=kb), a3 + prod(w3p_ref, w3s_ref, kb=kb)
+
+            return jax.lax.fori_loop(0, num_k, step, (zero, zero))
+
+        a1, a3 = _k_loop(loop, decode, (w1s_ref, w3s_ref), e, n, bn=bn, bk=bk, num_k=num_k)
         h = situ(a1, a3, beta, linear_beta).astype(h_ref.dtype)
         h_ref[pl.ds(t * bm, bm), n] = h.T if swap else h
 
@@ -134,10 +153,13 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
     @pl.when(e < num_experts)
     def _():
         slots, n = pl.ds(t * bm, bm), pl.ds(j * bn, bn)
-        prod = functools.partial(_block_product, h_ref, slots, w2p_ref, w2s_ref, e, n, bk=bk, decode=decode,
-                                 swap=swap, split=split)
-        acc = jax.lax.fori_loop(0, num_k, lambda kb, acc: acc + prod(kb),
-                                jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+        def loop(d):
+            prod = functools.partial(_block_product, h_ref, slots, w2p_ref, w2s_ref, e, n, bk=bk, decode=d,
+                                     swap=swap, split=split)
+            return jax.lax.fori_loop(0, num_k, lambda kb, acc: acc + prod(kb),
+                                     jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+
+        acc = _k_loop(loop, decode, (w2s_ref,), e, n, bn=bn, bk=bk, num_k=num_k)
         y_ref[slots, n] = (acc.T if swap else acc) * slot_weight_ref[slots][:, None]
 
 
@@ -158,10 +180,10 @@ def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
                          + (" (split: one scale group per half)" if tiles.split else ""))
 
 
-def _decoders(what: str, name: str, tiles: Tiles, interpret: bool):
-    """The `decode.DECODERS` pair for `name`, or a ValueError naming the kernel and the choices. A GPU-only
-    decoder ("asm") runs as its bit-identical stand-in (`decode.GPU_ONLY`) in the interpreter and for tiles
-    whose threads would hold fewer packed bytes than one asm instance takes."""
+def _decoders(what: str, name: str, tiles: Tiles, interpret: bool) -> dec.Decoder:
+    """The `decode.DECODERS` entry for `name`, or a ValueError naming the kernel and the choices. A GPU-only
+    decoder ("asm", "asm1") runs as its bit-identical stand-in (`decode.GPU_ONLY`) in the interpreter and
+    for tiles whose threads would hold fewer packed bytes than one asm instance takes."""
     if name not in dec.DECODERS:
         raise ValueError(f"{what}: decode={name!r} is not one of {sorted(dec.DECODERS)}")
     if name in dec.GPU_ONLY and (interpret or tiles.bn * tiles.bk // 2 < dec.ASM_PACK * 32 * tiles.num_warps):
