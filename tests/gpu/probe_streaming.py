@@ -149,7 +149,7 @@ def part_t():
 
 
 G_VARIANTS = {"tiles-first": (False, "asm", False), "n-first": (True, "asm", False),
-              "n-first/swap": (True, "asm", True)}
+              "n-first/swap": (True, "asm", True), "n-first/asm1": (True, "asm1", False)}
 
 
 def part_g():
