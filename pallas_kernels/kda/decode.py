@@ -8,7 +8,7 @@ caller donates them). Bandwidth-bound: the state is read and written once. Imple
 `kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
 
 Value tiles (`tuning=dict(block_v=B)`, B a power of two below V that divides it), still one launch: the
-grid becomes (V // B, N, H), more and smaller programs (a [K, B] slice of the state each, fewer registers).
+grid becomes (V // B, H, N) (or (V // B, N, H)), more and smaller programs (a [K, B] slice of the state each, fewer registers).
 The prediction, the delta-rule update and the read are independent per value column, so each program
 recomputes the head's q/k conv + SiLU, the gate and the q/k L2 norm (K channels each), convolves only its
 B value channels, updates and reads only its state slice, and writes its un-normed fp32 output slice and
@@ -68,6 +68,13 @@ def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate
     return q, k, g, beta
 
 
+def _gated_norm(o, nw_ref, gate_row, eps):
+    """The output's RMSNorm over V (weight nw) times sigmoid(gate), in fp32."""
+    f32 = jnp.float32
+    o = o * jax.lax.rsqrt(jnp.sum(o * o) / o.shape[-1] + eps) * nw_ref[...].astype(f32)
+    return o * jax.nn.sigmoid(gate_row.astype(f32))
+
+
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
                    nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place, ids):
     f32 = jnp.float32
@@ -100,10 +107,7 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
     pred = jnp.sum(s * k[:, None], axis=0)
     s = s + k[:, None] * (beta * (v - pred))[None, :]
-    o = jnp.sum(s * q[:, None], axis=0)  # read after the update
-    o = o * jax.lax.rsqrt(jnp.sum(o * o) / dv + eps) * nw_ref[...].astype(f32)
-    o = o * jax.nn.sigmoid(gate_ref[n, h, :].astype(f32))
-    o_ref[n, h, :] = o.astype(o_ref.dtype)
+    o_ref[n, h, :] = _gated_norm(jnp.sum(s * q[:, None], axis=0), nw_ref, gate_ref[n, h, :], eps).astype(o_ref.dtype)
     plt.store(s_out.at[slot, h, :, :], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, dv)))
     for j, r, t in tails:
         tails_out[row, j, r, cs] = t
@@ -158,8 +162,7 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     @pl.when(done == dv // bv - 1)
     def _last():  # every tile of the head has stored its output slice and has read the q/k tails
         o = plt.load(o_raw.at[n, h, :], volatile=True)  # the other tiles' slices from L2, not a stale L1 line
-        o = o * jax.lax.rsqrt(jnp.sum(o * o) / dv + eps) * nw_ref[...].astype(f32)
-        o_ref[n, h, :] = (o * jax.nn.sigmoid(gate_ref[n, h, :].astype(f32))).astype(o_ref.dtype)
+        o_ref[n, h, :] = _gated_norm(o, nw_ref, gate_ref[n, h, :], eps).astype(o_ref.dtype)
         store_tails(0, cs, hq, dk)
         store_tails(1, cs, hk, dk)
 
@@ -234,9 +237,10 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
 
 def _decode_tiles(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, *, bv, eps,
                   tuning, interpret, lower_bound, gate_on, qk_norm):
-    """The value-tile launch: grid (V // bv, N, H), a head's tiles next to each other (they share the q/k
-    prologue's inputs and the output row in L2); both pools in place, plus a zeroed counter per (sequence,
-    head) and the un-normed fp32 output row that the head's last tile norms."""
+    """The value-tile launch: grid (V // bv, then heads and sequences as `_grid` orders them), a head's tiles
+    next to each other (they share the q/k prologue's inputs and the output row in L2); both pools in place,
+    plus a zeroed counter per (sequence, head) and the un-normed fp32 output row that the head's last tile
+    norms."""
     nb, nh, dv = qkv.shape[0], s_pool.shape[1], s_pool.shape[-1]
     grid, ids = _grid(nb, nh, tuning["heads_fastest"], (dv // bv,))
     kernel = functools.partial(_decode_tiles_kernel, bv=bv, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm,
