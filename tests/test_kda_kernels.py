@@ -33,7 +33,7 @@ SMALL = dict(phases=1, chunk=16, block_v=16)  # one phase, two value tiles, chun
 ONE = dict(phases=1, chunk=32, block_v=128, num_warps=8)  # one phase, chunk 32, whole V
 TWO = dict(phases=2, chunk=32, block_v=128)  # two phases, chunk 32, whole V
 TWO_SMALL = dict(SMALL, phases=2)
-TWO_64 = dict(phases=2, chunk=64, block_v=16)  # four sub-blocks per chunk, two value tiles
+TWO_64 = dict(phases=2, chunk=64, block_v=16, phase1_inverse="substitution")  # four sub-blocks joined, two tiles
 bf16_round = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
 
 

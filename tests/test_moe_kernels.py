@@ -212,7 +212,7 @@ def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, scales, dec
 
 
 def test_gpu_only_decode_has_a_bit_identical_stand_in():
-    """decode="asm" and "asm1" (PTX, "asm" the default) compile for the GPU only: the interpreter, and tiles
+    """decode="asm" and "asm1" (PTX, "asm1" the default) compile for the GPU only: the interpreter, and tiles
     whose threads would hold fewer than 4 packed bytes each, run "fast" and "fast1" (the same bits, including
     asm1's quick decoder's wrong values past its bound; the GPU tests check the asm)."""
     big, small = Tiles(64, 256), Tiles(16, 32)
@@ -222,7 +222,7 @@ def test_gpu_only_decode_has_a_bit_identical_stand_in():
     assert kern_mod._decoders("gate_up", "asm1", big, interpret=False) == dec.DECODERS["asm1"]
     assert kern_mod._decoders("gate_up", "asm1", big, interpret=True) == dec.DECODERS["fast1"]
     assert kern_mod._decoders("down", "exact", small, interpret=True) == dec.DECODERS["exact"]
-    assert kern_mod.DEFAULT_DECODE == "asm"
+    assert kern_mod.DEFAULT_DECODE == "asm1"
     scale = jnp.asarray([[120, 128, 129, 254]], jnp.uint8)
     packed = jnp.full((1, 64), 0x77, jnp.uint8)  # +-6 everywhere: wrong past 128 in the quick stand-in only
     quick = np.asarray(dec.DECODERS["fast1"].quick.full(packed, scale), np.float32).reshape(4, 32)

@@ -18,9 +18,10 @@ any chunk size: chunk 64 is allowed at the -5 bound (the one-phase kernel's sing
 X: forward substitution (fp32, elementwise: exact fp32) inside the 16 x 16 diagonal blocks, all blocks at
 once, then the blocks are joined as in `unit_lower_inverse`: with D the block-diagonal inverse and L the
 part of A below the diagonal blocks, (I + A)^-1 = (I + D L)^-1 D, where N = D L is nilpotent of index
-C / 16, so (I + N)^-1 = (I - N)(I + N^2)... (one factor at C = 32, two at C = 64). Tuning
-phase1_inverse="series" instead takes the whole chunk's (I + A)^-1 = (I - A)(I + A^2)... by matmuls
-(`common.series_inverse`, TF32 on the GPU, as the one-phase kernel does).
+C / 16, so (I + N)^-1 = (I - N)(I + N^2)... (one factor at C = 32, two at C = 64). That is
+tuning phase1_inverse="substitution"; the default, "series", takes the whole chunk's
+(I + A)^-1 = (I - A)(I + A^2)... by matmuls (`common.series_inverse`, TF32 on the GPU, as the one-phase
+kernel does): fewer instructions, 14% faster on the H200 with the same errors (docs/benchmarks.md).
 
 Workspaces in HBM, [chunks, H, C, ...] (chunks never straddle sequences: sequence n's chunks are rows
 choff[n] .. choff[n] + ceil(len_n / C) - 1):
@@ -46,10 +47,11 @@ from pallas_kernels.kda.common import cdiv, chunk_state_step, compiler_params, d
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
 # phase 1 at 2 warps: 2.21 ms against 2.67 at 4 warps, (1, 8192, 96) on the H200 (docs/benchmarks.md, 2026-12-01).
-# phase1_inverse: "substitution" (exact fp32, elementwise; see the module docstring) or "series" (the whole
-# chunk's (I + A)^-1 as (I - A)(I + A^2)...: 2 log2(C) - 2 matmuls, TF32 on the GPU, as the one-phase kernel
-# does; fewer instructions and cross-warp reductions than substitution's C - 1 row steps; not yet timed).
-PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="substitution")
+# phase1_inverse: "series" (the default: the whole chunk's (I + A)^-1 as (I - A)(I + A^2)...: 2 log2(C) - 2
+# matmuls, TF32 on the GPU, as the one-phase kernel does; 2.277 against 2.641 ms with "substitution" at
+# (1, 8192, 96), the same errors against the fp32 reference, H200 2026-12-02) or "substitution" (exact fp32,
+# elementwise, C - 1 row steps with cross-warp reductions; see the module docstring).
+PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series")
 
 
 def sub_block(chunk: int) -> int:
@@ -222,7 +224,7 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     )(cu, choff, cpo, *work, s0)
 
 
-def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="substitution"):
+def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series"):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
     if phase1_inverse not in ("substitution", "series"):
         raise unsupported(f"kda_prefill two-phase kernel: phase1_inverse = {phase1_inverse!r} is not "

@@ -165,9 +165,11 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
 
 # "asm" (decode.decode_asm, PTX): the same bits as "exact" (every byte and scale 1..254, and whole paths at
 # K3 widths, compiled on the H200) in about 4 instructions per element; at 16 tokens gate+up 1.92x and down
-# 1.54x faster than "fast" there (2026-12-02, docs/benchmarks.md). The interpreter runs "fast" (the same
-# bits) in its place.
-DEFAULT_DECODE = "asm"
+# 1.54x faster than "fast" there (2026-12-02, docs/benchmarks.md). "asm1" runs asm's one-multiply variant in
+# each program whose scale bytes are all <= 128 (real weights: the release's scales sit near 2^-7), else
+# asm: the same bits as asm on the H200 at 16 and 512 tokens, gate+up 7-8% and down 9-15% faster (2026-12-02,
+# sixth session). The interpreter runs "fast1" (the same bits) in its place.
+DEFAULT_DECODE = "asm1"
 
 
 def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:

@@ -38,10 +38,10 @@ def inputs(b, t, h, seed=0, gate="random"):
 
 
 GATE = dict(lower_bound=-5.0, qk_norm=True)
-# None: the default (two phases, chunk 16, value tiles of 64); the one-phase kernel at chunk 32 whole V;
-# two phases at chunk 64
+# None: the default (two phases, chunk 16, value tiles of 64, phase 1's inverse by the matmul series); the
+# one-phase kernel at chunk 32 whole V; two phases at chunk 64 with the exact substitution inverse
 PREFILL_TUNINGS = [None, dict(phases=1, chunk=32, block_v=128, num_warps=8),
-                   dict(phases=2, chunk=64, block_v=64, num_warps=4)]
+                   dict(phases=2, chunk=64, block_v=64, num_warps=4, phase1_inverse="substitution")]
 TUNING_IDS = ["default", "one-phase-c32", "two-phase-c64-bv64"]
 BENCH_SHAPES = [(1, 8192, 96, "random"), (16, 4096, 12, "random"), (8, 2048, 12, "bound")]
 SMALL_SHAPES = [(2, 1000, 4, "random"), (3, 1, 4, "random")]
