@@ -18,7 +18,7 @@ def converted(tiny_ckpt, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("dequantized", [False, True], ids=["packed", "bf16"])
+@pytest.mark.parametrize("dequantized", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["packed", "bf16"])
 def test_restore_into_an_8_device_mesh(tiny_ckpt, converted, tmp_path, dequantized):
     out = converted
     if dequantized:

@@ -104,7 +104,8 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
     assert_close(s, s_op, BF16_RTOL, axis=(-2, -1), what="kernel vs op states")
 
 
-@pytest.mark.parametrize("tuning", [SMALL, TWO_SMALL, dict(TWO_SMALL, phase1_chunks=4)],
+@pytest.mark.parametrize("tuning", [pytest.param(SMALL, marks=pytest.mark.slow), TWO_SMALL,
+                                    dict(TWO_SMALL, phase1_chunks=4)],
                          ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program"])
 def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     lens = [37, 1, 70, 16, 0, 33]
@@ -144,7 +145,7 @@ def test_batch_checkpoints_equal_recurrence_states(tuning):
         assert_close(c[b, 0], states[0], BF16_RTOL, axis=(-2, -1), what="checkpoint at 32")
 
 
-@pytest.mark.parametrize("tuning", [SMALL, TWO_SMALL], ids=["one-phase", "two-phase"])
+@pytest.mark.parametrize("tuning", [pytest.param(SMALL, marks=pytest.mark.slow), TWO_SMALL], ids=["one-phase", "two-phase"])
 def test_checkpoints_a_sequence_does_not_reach_are_defined(tuning):
     """Batch rows shorter than T: checkpoints past a row's length hold its final state (identity steps),
     as the op says; packed rows past the last sequence's are zero (here a whole unfilled row)."""

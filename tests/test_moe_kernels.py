@@ -115,7 +115,9 @@ VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=
             for regime, bm in (("decode", 16), ("prefill", 128))
             for name, swap, split, n_first in (("swap", True, False, True), ("split", False, True, True),
                                                ("swap-split", True, True, True), ("tiles-first", False, False, False))}
-VARIANT_CASES = [pytest.param(c, n, k, kind, id=f"{n}-{k}-{kind}-{name}") for name, c in VARIANTS.items()
+VARIANT_CASES = [pytest.param(c, n, k, kind, id=f"{n}-{k}-{kind}-{name}",
+                              marks=[pytest.mark.slow] if name.endswith("tiles-first") else [])
+                 for name, c in VARIANTS.items()
                  for n, k, kind in [(40, 4, "skewed"), (33, 1, "one_expert"), (1, 4, "random")]
                  if not name.endswith("tiles-first") or kind == "skewed"]
 

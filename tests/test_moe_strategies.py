@@ -18,7 +18,7 @@ def experts():
     return cfg, jax.tree_util.tree_map(lambda a: a[0], init_params(cfg, 5, text_only=True).text.moe.experts)
 
 
-@pytest.mark.parametrize("n,skew", [(1, False), (3, False), (40, False), (40, True)])
+@pytest.mark.parametrize("n,skew", [pytest.param(1, False, marks=pytest.mark.slow), (3, False), (40, False), (40, True)])
 def test_sorted_equals_gathered(experts, n, skew):
     cfg, ex = experts
     rng = np.random.default_rng(n)
@@ -35,7 +35,7 @@ def test_sorted_equals_gathered(experts, n, skew):
         assert float(jnp.abs(a - b).max()) <= F64_RTOL * float(jnp.abs(a).max())
 
 
-@pytest.mark.parametrize("strategy", ["sorted", "gathered"])
+@pytest.mark.parametrize("strategy", ["sorted", pytest.param("gathered", marks=pytest.mark.slow)])
 def test_pairs_with_an_out_of_range_id_and_weight_0_contribute_nothing(experts, strategy):
     """Expert parallelism passes the pairs another device owns as id E with weight 0."""
     cfg, ex = experts

@@ -113,6 +113,7 @@ def _worker(*args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 2 min each on 2 cores; the mesh CLI tests check meshes against one device by default
 @pytest.mark.parametrize("dtype, skew, tol", [("float32", "skew", 1e-4), ("float64", "even", 1e-12)])
 def test_every_preset_equals_one_device(dtype, skew, tol):
     """Prefill of 4 unequal sequences and 3 decode steps, on 8 devices under each preset, against one

@@ -121,6 +121,7 @@ def test_generate_on_a_mesh_equals_one_device(tiny_ckpt, tmp_path):
     assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 
+@pytest.mark.slow  # 55 s; two processes are checked by default by the logits test above
 def test_two_processes_generate_with_the_batch_split_across_them(tiny_ckpt, tmp_path):
     """data=2 over 2 processes: each holds half of the batch's state; the tokens equal one device's."""
     common = ["generate", "--checkpoint", tiny_ckpt, "--prompt", "Hello", "--prompt", "What is", "--prompt", "x",
