@@ -223,6 +223,7 @@ def test_logits_from_the_orbax_directory_equal_the_release_directory(tiny_ckpt, 
     assert hf.dtype == ob.dtype and hf.tobytes() == ob.tobytes()
 
 
+@pytest.mark.slow  # many parts per unit are also converted by default in test_convert_resume
 def test_many_small_parts(tiny_ckpt, converted, tmp_path):
     """Units split into many Orbax checkpoints (as a real MoE layer is, 1 GiB each) load, verify and export
     the same; the part size is recorded in the manifest, so the loader follows whatever was written."""

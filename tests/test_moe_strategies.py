@@ -18,7 +18,8 @@ def experts():
     return cfg, jax.tree_util.tree_map(lambda a: a[0], init_params(cfg, 5, text_only=True).text.moe.experts)
 
 
-@pytest.mark.parametrize("n,skew", [pytest.param(1, False, marks=pytest.mark.slow), (3, False), (40, False), (40, True)])
+@pytest.mark.parametrize("n,skew", [pytest.param(1, False, marks=pytest.mark.slow), (3, False),
+                                    pytest.param(40, False, marks=pytest.mark.slow), (40, True)])
 def test_sorted_equals_gathered(experts, n, skew):
     cfg, ex = experts
     rng = np.random.default_rng(n)

@@ -109,6 +109,7 @@ def test_multihost_flags_come_together(tiny_ckpt, tmp_path, capsys):
     assert "missing --num-processes, --process-id" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 46 s; meshes against one device are checked by default by the logits test
 def test_generate_on_a_mesh_equals_one_device(tiny_ckpt, tmp_path):
     """Greedy float32 generation; 3 prompts over data=2 (a stand-in row fills the second half)."""
     common = ["generate", "--checkpoint", tiny_ckpt, "--prompt", "Hello, K3", "--prompt", "What is 15% of 240?",
