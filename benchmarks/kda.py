@@ -85,6 +85,17 @@ def bench_jax(f, *args, reps=20):
     return 1e3 * statistics.median(times)
 
 
+def decode_step_ms(step, conv_pool, s_pool, steps, reps=10, unroll=10):
+    """Back-to-back decode steps `step(cp, sp) -> (o, cp, sp)` in a loop unrolled by `unroll` (each trip of
+    XLA's while loop adds its own overhead): (ms per step, ms per step in the `steps`-step call's average).
+    The pools are not donated, so each call first copies them (the compiled HLO shows both copies): the
+    step time is the difference between a 2 * steps and a steps loop, over steps."""
+    t1, t2 = (bench_jax(jax.jit(lambda cp, sp, k=k: jax.lax.fori_loop(
+        0, k, lambda i, c: step(*c)[1:], (cp, sp), unroll=min(k, unroll))), conv_pool, s_pool, reps=reps)
+        for k in (steps, 2 * steps))
+    return (t2 - t1) / steps, t1 / steps
+
+
 def rel(x, ref):
     x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
     return float(np.abs(x - ref).max() / np.abs(ref).max())
@@ -215,20 +226,15 @@ def run_decode(args, torch_mods):
             step = lambda cp, sp, t=tuning: pdecode.kda_decode(
                 qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t, **kw)
 
-            # back-to-back steps on the GPU: the kernel time, not dispatch. Unrolled by 10, since each trip of
-            # XLA's while loop adds its own overhead (a step inside a model has kernels beside it, not a loop
-            # trip); the rolled loop is reported beside it. The pools are not donated, so each call first
-            # copies them (the compiled HLO shows both copies): the step time is the difference between a
-            # 2 * steps and a steps loop, over steps; the steps loop's average is reported beside it.
-            loops = {(k, u): jax.jit(lambda cp, sp, step=step, k=k, u=u: jax.lax.fori_loop(
-                0, k, lambda i, c: step(*c)[1:], (cp, sp), unroll=u)) for k, u in ((steps, 10), (2 * steps, 10),
-                                                                                    (steps, 1))}
-
+            # back-to-back steps on the GPU: the kernel time, not dispatch (a step inside a model has kernels
+            # beside it, not a loop trip); the rolled loop is reported beside it
+            rolled_loop = jax.jit(lambda cp, sp, step=step: jax.lax.fori_loop(
+                0, steps, lambda i, c: step(*c)[1:], (cp, sp)))
             try:
                 o, c2, s2 = jax.jit(step)(conv_pool, s_pool)
                 errs = (rel(o, o_ref), rel(s2, s_ref), rel(c2, c_ref))
-                t1, t2, t_rolled = (bench_jax(f, conv_pool, s_pool, reps=10) for f in loops.values())
-                ms, per_call, rolled = (t2 - t1) / steps, t1 / steps, t_rolled / steps
+                ms, per_call = decode_step_ms(step, conv_pool, s_pool, steps)
+                rolled = bench_jax(rolled_loop, conv_pool, s_pool, reps=10) / steps
                 one = bench_jax(jax.jit(step), conv_pool, s_pool, reps=50)
             except Exception as e:  # noqa: BLE001  a tuning that does not compile is skipped, and reported
                 print(f"  decode N={n} tuning {tuning} failed: {type(e).__name__}: {str(e)[:200]}")

@@ -145,7 +145,8 @@ def test_batch_checkpoints_equal_recurrence_states(tuning):
         assert_close(c[b, 0], states[0], BF16_RTOL, axis=(-2, -1), what="checkpoint at 32")
 
 
-@pytest.mark.parametrize("tuning", [pytest.param(SMALL, marks=pytest.mark.slow), TWO_SMALL], ids=["one-phase", "two-phase"])
+@pytest.mark.parametrize("tuning", [pytest.param(SMALL, marks=pytest.mark.slow), TWO_SMALL],
+                         ids=["one-phase", "two-phase"])
 def test_checkpoints_a_sequence_does_not_reach_are_defined(tuning):
     """Batch rows shorter than T: checkpoints past a row's length hold its final state (identity steps),
     as the op says; packed rows past the last sequence's are zero (here a whole unfilled row)."""

@@ -139,13 +139,18 @@ _ASM = ("{ .reg .b32 w, t, m, a, b, c, d, z; mov.b32 z, 0x80008000; "
 ASM_PACK = 4  # bytes per asm instance: a thread must hold a multiple of 4 of the packed tile's bytes
 
 
+def _factor_word(e: jax.Array, half: int) -> jax.Array:
+    """bf16 exponent fields e uint32 [r, c/32] -> the bf16x2 word of 2^(e - 127) in both halves, per packed
+    byte [r, c/2] (the asm decoders' factor arguments)."""
+    return per_column((e << 7) | (e << 23), half)
+
+
 def asm_factors(scale: jax.Array, half: int) -> tuple[jax.Array, jax.Array]:
     """scale uint8 [r, c/32] -> _ASM's two factor arguments per packed byte [r, c/2]: the bf16x2 words of
     2^(min(s, 128) - 1) and 2^(max(s, 128) - 128)."""
     s = scale.astype(jnp.uint32)
-    factor = lambda e: per_column((e << 7) | (e << 23), half)  # noqa: E731  exponent field -> bf16x2 bits per byte
-    return (factor(jnp.minimum(s, jnp.uint32(128)) + jnp.uint32(126)),
-            factor(jnp.maximum(s, jnp.uint32(128)) - jnp.uint32(1)))
+    return (_factor_word(jnp.minimum(s, jnp.uint32(128)) + jnp.uint32(126), half),
+            _factor_word(jnp.maximum(s, jnp.uint32(128)) - jnp.uint32(1), half))
 
 
 def decode_asm_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -201,8 +206,7 @@ QUICK_MAX_SCALE = 128  # the largest scale byte for which _ASM1 is exact (2^(s -
 def asm1_factor(scale: jax.Array, half: int) -> jax.Array:
     """scale uint8 [r, c/32] -> _ASM1's factor argument per packed byte [r, c/2]: the bf16x2 word of 2^(s - 1)
     (a bf16 number for s <= QUICK_MAX_SCALE only)."""
-    e = scale.astype(jnp.uint32) + jnp.uint32(126)
-    return per_column((e << 7) | (e << 23), half)
+    return _factor_word(scale.astype(jnp.uint32) + jnp.uint32(126), half)
 
 
 def decode_asm1_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:

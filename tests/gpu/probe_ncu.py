@@ -5,11 +5,13 @@ Runs, at K3's widths, each once after a warm-up call: the MoE gate+up and down k
 NCU_TOKENS changes the token counts); the KDA decode step at N = 32, H = 96 (the default, and with the
 tails scattered after the kernel, or the tunings NCU_KDA names, e.g. "32x4,128x4" for value tiles x warps);
 the KDA prefill (P) at (1, 8192, 96), default tuning (its two phases); fla's `fused_recurrent_kda` (F) at
-the decode shape, the peer's kernel for the same counters. Under `ncu -k regex:"moe|kda"` the report says where each kernel's time
-goes (DRAM and shared-memory throughput, warp stalls, the SASS of its inner loop). Without ncu it is a
-smoke run; PROBE_SMALL=1 shrinks the KDA part (K) for the CPU interpreter (the MoE part is GPU-sized).
+the decode shape, the peer's kernel for the same counters. Under `ncu -k regex:"moe|kda|fused_recurrent"`
+the report says where each kernel's time goes (DRAM and shared-memory throughput, warp stalls, the SASS of
+its inner loop). Without ncu it is a smoke run; PROBE_SMALL=1 shrinks the KDA parts (K, P) for the CPU
+interpreter (the MoE part is GPU-sized).
 
-    ncu --clock-control none -k regex:"moe|kda" --set full -o $OUT/probe python3 tests/gpu/probe_ncu.py [MK]
+    ncu --clock-control none -k regex:"moe|kda|fused_recurrent" --set full -o $OUT/probe \
+        python3 tests/gpu/probe_ncu.py [MKPF]
 """
 import os
 import sys

@@ -180,7 +180,7 @@ def part_b():
 
 
 def part_d():
-    from kda import bench_jax, decode_inputs
+    from kda import decode_inputs, decode_step_ms
     from pallas_kernels.kda.decode import kda_decode
     ns = [2] if SMALL else [int(x) for x in os.environ.get("D_N", "32,256").split(",")]
     spec = os.environ.get("D_TUNINGS", "128x4,128x4h,32x4,32x4h,64x2h")  # block_v x warps, h: heads fastest
@@ -196,17 +196,14 @@ def part_d():
                 tuning = dict(tuning, block_v=min(tuning["block_v"], 16))
             step = lambda cp, sp, t=tuning: kda_decode(qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t,
                                                       **kw)
-            loops = {k: jax.jit(lambda cp, sp, k=k, step=step: jax.lax.fori_loop(
-                0, k, lambda i, c: step(*c)[1:], (cp, sp), unroll=min(k, 10))) for k in ((2, 4) if SMALL else (100, 200))}
+            steps = 2 if SMALL else 100
             try:
-                (k1, f1), (k2, f2) = loops.items()
-                t1, t2 = (bench_jax(f, conv_pool, s_pool, reps=5) for f in (f1, f2))
+                per, avg = decode_step_ms(step, conv_pool, s_pool, steps, reps=5)
             except Exception as err:  # noqa: BLE001
                 print(f"D N={n} {tuning}: {type(err).__name__} {str(err)[:200]}", flush=True)
                 continue
-            per = (t2 - t1) / (k2 - k1)  # per step, without the per-call copies of the un-donated pools
             print(f"D N={n} {tuning}: {1e3 * per:.1f} us/step ({nbytes / per / 1e9:.2f} TB/s) by difference; "
-                  f"{1e3 * t1 / k1:.1f} us/step in the {k1}-step call", flush=True)
+                  f"{1e3 * avg:.1f} us/step in the {steps}-step call", flush=True)
             if tuning is tunings[0] and not SMALL:  # what one step launches besides the kernel
                 hlo = jax.jit(step).lower(conv_pool, s_pool).compile().as_text()
                 ops = re.findall(r"= \S+ (copy|fusion|custom-call|broadcast|scatter|dynamic-update-slice)\(", hlo)
