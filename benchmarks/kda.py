@@ -137,7 +137,8 @@ def run_prefill(args, torch_mods, jla):
         # ours: the default tuning, plus a sweep on request
         best = None
         best_by_phases = {}
-        for tuning in (TUNINGS + TWO_PHASE_TUNINGS if args.sweep else [pprefill.TUNING]):
+        for tuning in (TUNINGS + TWO_PHASE_TUNINGS if args.sweep else
+                       [dict(pprefill.TUNING, **t) for t in args.tunings] if args.tunings else [pprefill.TUNING]):
             try:
                 f = ours_prefill(tuning)
                 ms = bench_jax(f, *x, reps=args.reps)
@@ -279,6 +280,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sweep", action="store_true", help="try several kernel tunings, report the best")
     ap.add_argument("--quick", action="store_true", help="skip the largest prefill shapes")
+    ap.add_argument("--tunings", type=json.loads, default=None,
+                    help='prefill: a JSON list of overrides of the default tuning to time in its place, e.g. '
+                         '\'[{}, {"phase2_transposed": true}]\'')
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", choices=("prefill", "decode"), default=None)
     ap.add_argument("--json", default=None)

@@ -69,16 +69,34 @@ def chunk_state_step(s, u0, w, q_dec, m, k_tail, decay_end, o_ref, *, t0, h, vt,
     return s * decay_end + dot_tn(k_tail, u16)
 
 
-def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos, chunk: int, cp_every: int):
+def chunk_state_step_t(st, u0t, w, q_dec, m, k_tail, decay_row, o_ref, *, t0, h, vt, rows_in):
+    """`chunk_state_step` on the transposed state S^T [BV, K] (u0^T [BV, C], e^(G_C) as a row [1, K]):
+    u^T = u0^T - S^T w^T;  o^T = S^T q_dec^T + u^T M^T;  S'^T = S^T e^(G_C) + u^T k_tail. The operand carried
+    in registers (S^T, then u^T) is the left one of every product, so one MMA's accumulator is the next
+    one's A operand without a trip through shared memory, and the MMAs have BV rows. Returns S'^T."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    block_v, chunk = u0t.shape
+    s16 = st.astype(bf16)
+    u16 = (u0t - dot_nt(s16, w)).astype(bf16)
+    o = dot_nt(s16, q_dec) + dot_nt(u16, m)
+    plt.store(o_ref.at[pl.ds(t0, chunk), h, vt], o.T.astype(o_ref.dtype),
+              mask=jnp.broadcast_to(rows_in, (chunk, block_v)))
+    return st * decay_row + jnp.dot(u16, k_tail, preferred_element_type=f32)
+
+
+def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos, chunk: int, cp_every: int,
+                  transposed: bool = False):
     """A program's walk over sequence n's chunks: its state tile from s0, `step(j, s) -> s'` per chunk j,
     the checkpoint after each chunk when asked (cp_refs holds the checkpoint output, or is empty), and the
-    final state into sf."""
+    final state into sf. transposed: `step` carries the tile as S^T [BV, K] (the refs hold [K, BV])."""
+    out = (lambda s: s.T) if transposed else (lambda s: s)
+
     def body(j, s):
         s = step(j, s)
         if cp_every:
-            store_checkpoint(cp_refs[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, chunk=chunk,
-                             span=eos - bos)
+            store_checkpoint(cp_refs[0], cpo_ref, out(s), n=n, h=h, vt=vt, done=j + 1, every=cp_every,
+                             chunk=chunk, span=eos - bos)
         return s
 
-    s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, s0_ref[n, h, :, vt].astype(jnp.float32))
-    sf_ref[n, h, :, vt] = s.astype(sf_ref.dtype)
+    s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, out(s0_ref[n, h, :, vt].astype(jnp.float32)))
+    sf_ref[n, h, :, vt] = out(s).astype(sf_ref.dtype)

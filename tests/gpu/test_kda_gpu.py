@@ -2,8 +2,9 @@
 scan in fp32 on the same bf16-rounded inputs: outputs and final states at bf16 level; packed sequences of
 unequal lengths with their chunk-boundary checkpoints; the fused decode step on a slot pool (whole V per
 program and split over value tiles of 32 and 64). The prefill tests run the default (two phases, chunk 16)
-at every shape, and the one-phase kernel and the two-phase variant at chunk 64 on the small shapes and
-the packed sequences.
+at every shape, and the one-phase kernel, the two-phase variant at chunk 64 and the one with phase 2 on
+the transposed state on the small shapes and the packed sequences (the last at the gate-bound benchmark
+shape too).
 
 Run with XLA_FLAGS=--xla_gpu_autotune_level=0: the references' fp32 matmuls otherwise spend most of the
 file's time in XLA's GEMM autotuner (the Pallas kernels are not autotuned)."""
@@ -41,11 +42,13 @@ GATE = dict(lower_bound=-5.0, qk_norm=True)
 # None: the default (two phases, chunk 16, value tiles of 64, phase 1's inverse by the matmul series); the
 # one-phase kernel at chunk 32 whole V; two phases at chunk 64 with the exact substitution inverse
 PREFILL_TUNINGS = [None, dict(phases=1, chunk=32, block_v=128, num_warps=8),
-                   dict(phases=2, chunk=64, block_v=64, num_warps=4, phase1_inverse="substitution")]
-TUNING_IDS = ["default", "one-phase-c32", "two-phase-c64-bv64"]
+                   dict(phases=2, chunk=64, block_v=64, num_warps=4, phase1_inverse="substitution"),
+                   dict(phases=2, phase2_transposed=True)]
+TUNING_IDS = ["default", "one-phase-c32", "two-phase-c64-bv64", "two-phase-transposed"]
 BENCH_SHAPES = [(1, 8192, 96, "random"), (16, 4096, 12, "random"), (8, 2048, 12, "bound")]
 SMALL_SHAPES = [(2, 1000, 4, "random"), (3, 1, 4, "random")]
-PREFILL_CASES = [(*s, None) for s in BENCH_SHAPES] + [(*s, t) for s in SMALL_SHAPES for t in PREFILL_TUNINGS]
+PREFILL_CASES = ([(*s, None) for s in BENCH_SHAPES] + [(*s, t) for s in SMALL_SHAPES for t in PREFILL_TUNINGS]
+                 + [(*BENCH_SHAPES[2], PREFILL_TUNINGS[3])])
 
 
 @pytest.mark.parametrize("b,t,h,gate,tuning", PREFILL_CASES,
@@ -100,12 +103,12 @@ def decode_case(n, h=96, w=4):
 
 
 @pytest.mark.parametrize("tuning", [None, dict(tails_in_place=False), dict(block_v=32, num_warps=4),
-                                    dict(block_v=64, num_warps=2), dict(heads_fastest=True)],
-                         ids=["whole", "tails-scattered", "bv32", "bv64-2w", "whole-heads-fastest"])
+                                    dict(block_v=64, num_warps=2), dict(heads_fastest=False)],
+                         ids=["whole", "tails-scattered", "bv32", "bv64-2w", "whole-sequences-fastest"])
 @pytest.mark.parametrize("n", [1, 32, 256])
 def test_decode_matches_reference(n, tuning):
-    """None: whole V per program with the conv tails in place (the default); the whole-V kernel with the
-    tails scattered after it; value tiles (which scatter)."""
+    """None: whole V per program with the conv tails in place, heads fastest (the default); the whole-V
+    kernel with the tails scattered after it, and with sequences fastest; value tiles."""
     args, kw = decode_case(n)
     o, c, s = jax.jit(lambda *a: kda_decode(*a, tuning=tuning, **kw))(*args)
     # The state is at bf16 level, not fp32: the op rounds the conv + SiLU output to bf16 (as the layer
@@ -128,8 +131,8 @@ def test_decode_matches_reference(n, tuning):
 
 
 @pytest.mark.parametrize("tuning", [dict(block_v=32, num_warps=4), dict(block_v=16, num_warps=1),
-                                    dict(block_v=32, num_warps=4, heads_fastest=True)],
-                         ids=["bv32", "bv16-1w", "bv32-heads-fastest"])
+                                    dict(block_v=32, num_warps=4, heads_fastest=False)],
+                         ids=["bv32", "bv16-1w", "bv32-sequences-fastest"])
 def test_decode_tiles_repeated_steps_match_whole_v(tuning):
     """Value tiles against the whole-V kernel over 24 back-to-back steps at N = 256 (the same per-column
     arithmetic: states agree to fp32 reduction order). Each step's head output is normed by whichever tile

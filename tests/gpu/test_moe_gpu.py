@@ -1,6 +1,7 @@
 """The MXFP4 MoE kernels compiled for the GPU (not interpreted): the CPU suite's cases (tests/test_moe_kernels.py),
-every decode bit for bit against the reference (every byte and scale), decode="fast" and "asm" (the
-default) against decode="exact" on whole paths, and the whole latent
+every decode bit for bit against the reference (every byte and scale; asm1's one-multiply decoder for
+the scales it serves), decode="fast", "asm" and "asm1" (the default) against decode="exact" on whole
+paths, and the whole latent
 MoE through the switch. The benchmark shapes (K3 widths, 896 experts) are checked by
 benchmarks/moe.py in the same run as the timings."""
 
@@ -29,13 +30,16 @@ def test_compiled_kernel_equals_pure_op(config, n, k, kind):
     cpu._check(xl, idx, w, experts, config, interpret=False)
 
 
-@pytest.mark.parametrize("decode", [dec.decode, dec.decode_fast, dec.decode_asm], ids=["exact", "fast", "asm"])
-def test_compiled_decode_is_bit_exact_for_every_byte_and_scale_1_to_254(decode):
-    """Compiled, so the GPU's own float semantics (subnormals, fp16 conversion) meet every code."""
+@pytest.mark.parametrize("decode,top", [(dec.decode, 254), (dec.decode_fast, 254), (dec.decode_asm, 254),
+                                        (dec.decode_asm1, dec.QUICK_MAX_SCALE)], ids=["exact", "fast", "asm", "asm1"])
+def test_compiled_decode_is_bit_exact_for_every_byte_and_scale(decode, top):
+    """Compiled, so the GPU's own float semantics (subnormals, fp16 conversion) meet every code: every
+    byte at every scale byte 1..top (asm1's one-multiply decoder serves scale bytes up to QUICK_MAX_SCALE;
+    the kernels send programs with larger ones to "asm")."""
     def kernel(p_ref, s_ref, o_ref):
         o_ref[...] = decode(p_ref[...], s_ref[...])
-    packed = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # rows 254, 255: bytes 1, 2 again
-    scale = np.repeat(np.concatenate([np.arange(1, 255), [1, 2]]).astype(np.uint8)[:, None], 16, axis=1)
+    packed = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
+    scale = np.repeat((np.arange(256) % top + 1).astype(np.uint8)[:, None], 16, axis=1)  # 1..top, repeated
     got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((256, 512), jnp.bfloat16), interpret=False,
                          compiler_params=_CompilerParams(num_warps=4))(jnp.asarray(packed), jnp.asarray(scale))
     want = mxfp4.dequantize(packed, scale, jnp.bfloat16)
@@ -46,7 +50,7 @@ def test_compiled_decode_is_bit_exact_for_every_byte_and_scale_1_to_254(decode):
 @pytest.mark.parametrize("config", [cpu.DECODE, cpu.PREFILL, None], ids=["decode", "prefill", "default"])
 @pytest.mark.parametrize("n,k,kind,wide", [(1, 4, "random", False), (40, 4, "skewed", True),
                                            (33, 1, "one_expert", False), (600, 4, "random", True)])
-@pytest.mark.parametrize("decode", ["fast", "asm"])
+@pytest.mark.parametrize("decode", ["fast", "asm", "asm1"])
 def test_compiled_decode_equals_exact(config, n, k, kind, wide, decode):
     """The decodes give bit-identical weights (the test above, compiled), but compiled for the GPU the
     kernels are not bit-identical at bm 16 (measured for "fast"): on the H200 the whole path differed in the last bits
