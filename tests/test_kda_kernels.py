@@ -74,7 +74,9 @@ def run_prefill(x, **kw):
                                             (1, "random", TWO), (64, "bound", TWO_SMALL),
                                             (50, "random", dict(TWO_64, u0_bf16=True, phase1_inverse="series")),
                                             (50, "bound", dict(TWO_SMALL, phase1_chunks=3, phase1_stages=2)),
-                                            (70, "bound", TWO_64)])
+                                            (70, "bound", TWO_64),
+                                            (45, "random", dict(TWO_SMALL, phase2_transposed=False)),
+                                            (70, "bound", dict(TWO_64, u0_transposed=True))])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
     rng = np.random.default_rng([601, t])
     x = raw_inputs(rng, 2, t, gates)
@@ -134,7 +136,8 @@ def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     assert_close(c[:row], c_op[:row], BF16_RTOL, axis=(-2, -1), what="kernel vs op checkpoints")
 
 
-@pytest.mark.parametrize("tuning", [ONE, TWO], ids=["one-phase", "two-phase"])
+@pytest.mark.parametrize("tuning", [ONE, TWO, dict(TWO, phase2_transposed=False)],
+                         ids=["one-phase", "two-phase", "two-phase-untransposed"])
 def test_batch_checkpoints_equal_recurrence_states(tuning):
     rng = np.random.default_rng(604)
     x = raw_inputs(rng, 2, 50, "bound")

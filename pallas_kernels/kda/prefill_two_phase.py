@@ -7,6 +7,10 @@ Per chunk of C tokens (G_t = cumulative log decay from the chunk start, per key 
     X = (I + A)^-1;  w = X (beta k e^G);  u0 = X (beta v);  q_dec = q e^G;  k_tail = k e^(G_C - G);  e^(G_C)
 Phase 2, one program per (sequence, head, value tile), serial over the sequence's chunks:
     u = u0 - w S;   o = q_dec S + M u;   S = e^(G_C) S + k_tail^T u   (checkpoints at chunk boundaries)
+By default (tuning phase2_transposed) phase 2 carries the transposed tile S^T [BV, K] and computes the
+transposes of these products (`common.chunk_state_step_t`), so that the operand in registers is always the
+left one and the products have BV rows instead of C: 1.19x faster than the untransposed form at
+(16, 4096, 12) and (8, 2048, 12), 1.02x at (1, 8192, 96), 0.94x at (1, 32768, 96) (H200, docs/benchmarks.md).
 
 Exponents (the sub-block scheme of `kimik3_jax.ops.kda.kda_chunked`, 16-token sub-blocks): a pair (t, i)
 with i in an earlier sub-block than t factors through the decay at the start of t's sub-block,
@@ -59,12 +63,13 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # matmuls, TF32 on the GPU, as the one-phase kernel does; 2.277 against 2.641 ms with "substitution" at
 # (1, 8192, 96), the same errors against the fp32 reference, H200 2026-12-02) or "substitution" (exact fp32,
 # elementwise, C - 1 row steps with cross-warp reductions; see the module docstring).
-# phase2_transposed: phase 2 keeps the state transposed, S^T [BV, K], so that every product on its serial chain
-# has the register-resident operand (S^T, then u^T) on the left: an MMA accumulator feeds the next MMA's A
-# operand in registers, with M = BV rows (a warpgroup's 64 for wgmma) instead of the chunk's 16. The
-# workspaces u0 and e^(G_C) are then written transposed ([V, C] and [1, K]) by phase 1.
+# phase2_transposed (the default since 2026-12-02): phase 2 keeps the state transposed, S^T [BV, K], so that
+# every product on its serial chain has the register-resident operand (S^T, then u^T) on the left: an MMA
+# accumulator can feed the next MMA's A operand in registers, with M = BV rows instead of the chunk's 16.
+# Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V] and phase 2 transposes its tile, unless
+# u0_transposed (phase 1 writes u0^T [V, C] by a transposed product: 1.20x slower at (1, 8192, 96)).
 PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
-                       phase2_transposed=False)
+                       phase2_transposed=True, u0_transposed=False)
 
 
 def sub_block(chunk: int) -> int:
@@ -78,7 +83,7 @@ def _row_of(x, rows, idx):
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                    w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm,
-                   per_program, inverse, transposed):
+                   per_program, inverse, transposed, u0_transposed):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
     (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1; not
     yet measured on a GPU)."""
@@ -150,7 +155,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         decay = jnp.exp(gc)
         g_end = _row_of(gc, rows, chunk - 1)  # [1, K] total log decay of the chunk
         w_ref[c, h] = jnp.dot(inv, k * decay * beta, preferred_element_type=f32).astype(w_ref.dtype)
-        if transposed:  # u0^T = (beta v)^T X^T [V, C], e^(G_C) as a row [1, K]
+        if u0_transposed:  # u0^T = (beta v)^T X^T [V, C]
             u0 = jax.lax.dot_general(v * beta, inv, (((0,), (1,)), ((), ())), preferred_element_type=f32)
         else:
             u0 = jnp.dot(inv, v * beta, preferred_element_type=f32)
@@ -167,7 +172,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
 
 
 def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, s0_ref,
-                   o_ref, sf_ref, *cp_ref, heads, chunk, block_v, cp_every, transposed):
+                   o_ref, sf_ref, *cp_ref, heads, chunk, block_v, cp_every, transposed, u0_transposed):
     f32 = jnp.float32
     pid, iv = pl.program_id(0), pl.program_id(1)
     n, h = pid // heads, pid % heads
@@ -179,7 +184,8 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_
         ci = base + j
         t0 = bos + j * chunk
         if transposed:
-            return chunk_state_step_t(s, u0_ref[ci, h, vt, :].astype(f32), w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h],
+            u0t = u0_ref[ci, h, vt, :] if u0_transposed else u0_ref[ci, h, :, vt].T
+            return chunk_state_step_t(s, u0t.astype(f32), w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h],
                                       kt_ref[ci, h], dec_ref[ci, h], o_ref, t0=t0, h=h, vt=vt,
                                       rows_in=(t0 + rows) < eos)
         return chunk_state_step(s, u0_ref[ci, h, :, vt].astype(f32), w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h],
@@ -215,13 +221,14 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
     if n_chunks % tuning["phase1_chunks"]:
         raise ValueError(f"phase 1: {n_chunks} chunks do not divide into programs of {tuning['phase1_chunks']}")
     dk, dv = q.shape[-1], v.shape[-1]
-    tr = tuning["phase2_transposed"]
+    tr, u0_tr = tuning["phase2_transposed"], tuning["phase2_transposed"] and tuning["u0_transposed"]
     ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
-                          per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr),
+                          per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr,
+                          u0_transposed=u0_tr),
         out_shape=[ws(chunk, dk, dt=jnp.bfloat16),
-                   ws(*((dv, chunk) if tr else (chunk, dv)), dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
+                   ws(*((dv, chunk) if u0_tr else (chunk, dv)), dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
                    ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, chunk, dt=jnp.bfloat16),
                    ws(*((1, dk) if tr else (dk, 1)), dt=jnp.float32)],
         grid=(n_chunks // tuning["phase1_chunks"], heads), interpret=interpret, name="kda_prefill_phase1",
@@ -241,7 +248,8 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     nseq = cu.shape[0] - 1
     return pl.pallas_call(
         functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every,
-                          transposed=tuning["phase2_transposed"]),
+                          transposed=tuning["phase2_transposed"],
+                          u0_transposed=tuning["phase2_transposed"] and tuning["u0_transposed"]),
         out_shape=out_shape, grid=(nseq * heads, dv // block_v), interpret=interpret,
         name="kda_prefill_phase2",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
