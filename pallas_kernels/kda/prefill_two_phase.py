@@ -66,10 +66,10 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # phase2_transposed (the default since 2026-12-02): phase 2 keeps the state transposed, S^T [BV, K], so that
 # every product on its serial chain has the register-resident operand (S^T, then u^T) on the left: an MMA
 # accumulator can feed the next MMA's A operand in registers, with M = BV rows instead of the chunk's 16.
-# Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V] and phase 2 transposes its tile, unless
-# u0_transposed (phase 1 writes u0^T [V, C] by a transposed product: 1.20x slower at (1, 8192, 96)).
+# Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V] and phase 2 transposes its tile (phase 1
+# writing u0^T by a transposed product ran 1.20x slower at (1, 8192, 96), and even at (16, 4096, 12)).
 PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
-                       phase2_transposed=True, u0_transposed=False)
+                       phase2_transposed=True)
 
 
 def sub_block(chunk: int) -> int:
@@ -83,7 +83,7 @@ def _row_of(x, rows, idx):
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                    w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm,
-                   per_program, inverse, transposed, u0_transposed):
+                   per_program, inverse, transposed):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
     (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1; not
     yet measured on a GPU)."""
@@ -155,11 +155,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         decay = jnp.exp(gc)
         g_end = _row_of(gc, rows, chunk - 1)  # [1, K] total log decay of the chunk
         w_ref[c, h] = jnp.dot(inv, k * decay * beta, preferred_element_type=f32).astype(w_ref.dtype)
-        if u0_transposed:  # u0^T = (beta v)^T X^T [V, C]
-            u0 = jax.lax.dot_general(v * beta, inv, (((0,), (1,)), ((), ())), preferred_element_type=f32)
-        else:
-            u0 = jnp.dot(inv, v * beta, preferred_element_type=f32)
-        u0_ref[c, h] = u0.astype(u0_ref.dtype)
+        u0_ref[c, h] = jnp.dot(inv, v * beta, preferred_element_type=f32).astype(u0_ref.dtype)
         qd_ref[c, h] = (q * decay).astype(qd_ref.dtype)
         kt_ref[c, h] = (k * jnp.exp(g_end - gc)).astype(kt_ref.dtype)
         m_ref[c, h] = m.astype(m_ref.dtype)
@@ -172,7 +168,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
 
 
 def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, s0_ref,
-                   o_ref, sf_ref, *cp_ref, heads, chunk, block_v, cp_every, transposed, u0_transposed):
+                   o_ref, sf_ref, *cp_ref, heads, chunk, block_v, cp_every, transposed):
     f32 = jnp.float32
     pid, iv = pl.program_id(0), pl.program_id(1)
     n, h = pid // heads, pid % heads
@@ -183,13 +179,10 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_
     def step(j, s):
         ci = base + j
         t0 = bos + j * chunk
-        if transposed:
-            u0t = u0_ref[ci, h, vt, :] if u0_transposed else u0_ref[ci, h, :, vt].T
-            return chunk_state_step_t(s, u0t.astype(f32), w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h],
-                                      kt_ref[ci, h], dec_ref[ci, h], o_ref, t0=t0, h=h, vt=vt,
-                                      rows_in=(t0 + rows) < eos)
-        return chunk_state_step(s, u0_ref[ci, h, :, vt].astype(f32), w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h],
-                                kt_ref[ci, h], dec_ref[ci, h], o_ref, t0=t0, h=h, vt=vt, rows_in=(t0 + rows) < eos)
+        u0 = u0_ref[ci, h, :, vt].astype(f32)
+        state_step, u0 = (chunk_state_step_t, u0.T) if transposed else (chunk_state_step, u0)
+        return state_step(s, u0, w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h], kt_ref[ci, h], dec_ref[ci, h], o_ref,
+                          t0=t0, h=h, vt=vt, rows_in=(t0 + rows) < eos)
 
     serial_chunks(step, s0_ref, sf_ref, cp_ref, cpo_ref, n=n, h=h, vt=vt, bos=bos, eos=eos, chunk=chunk,
                   cp_every=cp_every, transposed=transposed)
@@ -221,14 +214,13 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
     if n_chunks % tuning["phase1_chunks"]:
         raise ValueError(f"phase 1: {n_chunks} chunks do not divide into programs of {tuning['phase1_chunks']}")
     dk, dv = q.shape[-1], v.shape[-1]
-    tr, u0_tr = tuning["phase2_transposed"], tuning["phase2_transposed"] and tuning["u0_transposed"]
+    tr = tuning["phase2_transposed"]
     ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
-                          per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr,
-                          u0_transposed=u0_tr),
+                          per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr),
         out_shape=[ws(chunk, dk, dt=jnp.bfloat16),
-                   ws(*((dv, chunk) if u0_tr else (chunk, dv)), dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
+                   ws(chunk, dv, dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
                    ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, chunk, dt=jnp.bfloat16),
                    ws(*((1, dk) if tr else (dk, 1)), dt=jnp.float32)],
         grid=(n_chunks // tuning["phase1_chunks"], heads), interpret=interpret, name="kda_prefill_phase1",
@@ -248,8 +240,7 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     nseq = cu.shape[0] - 1
     return pl.pallas_call(
         functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every,
-                          transposed=tuning["phase2_transposed"],
-                          u0_transposed=tuning["phase2_transposed"] and tuning["u0_transposed"]),
+                          transposed=tuning["phase2_transposed"]),
         out_shape=out_shape, grid=(nseq * heads, dv // block_v), interpret=interpret,
         name="kda_prefill_phase2",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
