@@ -6,8 +6,8 @@ NCU_TOKENS changes the token counts); the KDA decode step at N = 32, H = 96 (the
 tails scattered after the kernel, or the tunings NCU_KDA names, e.g. "32x4,128x4" for value tiles x warps);
 the KDA prefill (P) at (1, 8192, 96) or NCU_PREFILL_SHAPE ("BxTxH"), with the default tuning (its two
 phases) or the tunings NCU_PREFILL lists as JSON (e.g. '[{"phase2_transposed": false}, {}]'); fla's
-`fused_recurrent_kda` (F) at the decode shape, the peer's kernel for the same counters. Under `ncu -k regex:"moe|kda|fused_recurrent"`
-the report says where each kernel's time goes (DRAM and shared-memory throughput, warp stalls, the SASS of
+`fused_recurrent_kda` (F) at the decode shape, the peer's kernel for the same counters.
+Under `ncu -k regex:"moe|kda|fused_recurrent"` the report says where each kernel's time goes (DRAM and shared-memory throughput, warp stalls, the SASS of
 its inner loop). Without ncu it is a smoke run; PROBE_SMALL=1 shrinks the KDA parts (K, P) for the CPU
 interpreter (the MoE part is GPU-sized).
 
@@ -62,7 +62,8 @@ def kda():
 def prefill():
     from kda import prefill_inputs
     from pallas_kernels.kda.prefill import kda_prefill
-    b, t, h = (1, 64, 2) if SMALL else tuple(int(x) for x in os.environ.get("NCU_PREFILL_SHAPE", "1x8192x96").split("x"))
+    shape = os.environ.get("NCU_PREFILL_SHAPE", "1x8192x96")
+    b, t, h = (1, 64, 2) if SMALL else tuple(int(x) for x in shape.split("x"))
     q, k, v, g, beta, s0 = prefill_inputs(b, t, h)
     for tuning in json.loads(os.environ.get("NCU_PREFILL", "[null]")):
         f = jax.jit(lambda *a, tn=tuning: kda_prefill(*a, qk_norm=True, out_dtype=jax.numpy.bfloat16, tuning=tn))
