@@ -7,9 +7,9 @@ tails scattered after the kernel, or the tunings NCU_KDA names, e.g. "32x4,128x4
 the KDA prefill (P) at (1, 8192, 96) or NCU_PREFILL_SHAPE ("BxTxH"), with the default tuning (its two
 phases) or the tunings NCU_PREFILL lists as JSON (e.g. '[{"phase2_transposed": false}, {}]'); fla's
 `fused_recurrent_kda` (F) at the decode shape, the peer's kernel for the same counters.
-Under `ncu -k regex:"moe|kda|fused_recurrent"` the report says where each kernel's time goes (DRAM and shared-memory throughput, warp stalls, the SASS of
-its inner loop). Without ncu it is a smoke run; PROBE_SMALL=1 shrinks the KDA parts (K, P) for the CPU
-interpreter (the MoE part is GPU-sized).
+Under `ncu -k regex:"moe|kda|fused_recurrent"` the report says where each kernel's time goes (DRAM and
+shared-memory throughput, warp stalls, the SASS of its inner loop). Without ncu it is a smoke run;
+PROBE_SMALL=1 shrinks the KDA parts (K, P) for the CPU interpreter (the MoE part is GPU-sized).
 
     ncu --clock-control none -k regex:"moe|kda|fused_recurrent" --set full -o $OUT/probe \
         python3 tests/gpu/probe_ncu.py [MKPF]
