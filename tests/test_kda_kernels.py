@@ -76,7 +76,9 @@ def run_prefill(x, **kw):
                                             (50, "bound", dict(TWO_SMALL, phase1_chunks=3, phase1_stages=2)),
                                             (70, "bound", TWO_64),
                                             (45, "random", dict(TWO_SMALL, phase2_transposed=False)),
-                                            (70, "bound", dict(TWO_64, phase2_transposed=False))])
+                                            (70, "bound", dict(TWO_64, phase2_transposed=False)),
+                                            (37, "random", dict(TWO_SMALL, phase1_early_stores=True)),
+                                            (70, "bound", dict(TWO_64, phase1_early_stores=True))])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
     rng = np.random.default_rng([601, t])
     x = raw_inputs(rng, 2, t, gates)

@@ -68,8 +68,9 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # accumulator can feed the next MMA's A operand in registers, with M = BV rows instead of the chunk's 16.
 # Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V] and phase 2 transposes its tile (phase 1
 # writing u0^T by a transposed product ran 1.20x slower at (1, 8192, 96), and even at (16, 4096, 12)).
+# phase1_early_stores: see _phase1_kernel (not yet measured on a GPU).
 PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
-                       phase2_transposed=True)
+                       phase2_transposed=True, phase1_early_stores=False)
 
 
 def sub_block(chunk: int) -> int:
@@ -83,10 +84,12 @@ def _row_of(x, rows, idx):
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                    w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm,
-                   per_program, inverse, transposed):
+                   per_program, inverse, transposed, early_stores):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
-    (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1; not
-    yet measured on a GPU)."""
+    (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1).
+    early_stores: each workspace is stored as soon as it is known and v is loaded only for u0, so that fewer
+    [C, K] tiles are live at once (the default loads everything first and stores everything last); the
+    same values either way."""
     cb, h = pl.program_id(0), pl.program_id(1)
 
     def one(c):
@@ -103,8 +106,12 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         mk = jnp.broadcast_to(inb, (chunk, dk))
         q = plt.load(q_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
         k = plt.load(k_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
-        v = plt.load(v_ref.at[pl.ds(t0, chunk), h, :], mask=jnp.broadcast_to(inb, (chunk, dv)),
-                     other=0.0).astype(f32)
+
+        def load_v():
+            return plt.load(v_ref.at[pl.ds(t0, chunk), h, :], mask=jnp.broadcast_to(inb, (chunk, dv)),
+                            other=0.0).astype(f32)
+
+        v = None if early_stores else load_v()
         g = plt.load(g_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
         beta = plt.load(b_ref.at[pl.ds(t0, chunk), h], mask=inb[:, 0], other=0.0).astype(f32)[:, None]
         if gate:
@@ -116,6 +123,23 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         beta = jnp.where(real, beta, 0.0)
 
         gc = jnp.cumsum(g, axis=0)  # G_t, inclusive; non-increasing down the chunk
+        outputs = {  # each workspace as (ref, value), built when stored
+            "w": lambda: (w_ref, jnp.dot(inv, k * decay * beta, preferred_element_type=f32)),
+            "u0": lambda: (u0_ref, jnp.dot(inv, (load_v() if v is None else v) * beta, preferred_element_type=f32)),
+            "qd": lambda: (qd_ref, q * decay),
+            "kt": lambda: (kt_ref, k * jnp.exp(g_end - gc)),
+            "m": lambda: (m_ref, m),
+            "dec": lambda: (dec_ref, jnp.exp(g_end) if transposed else jnp.exp(g_end).T),
+        }
+
+        def store(*names):
+            for name in names:
+                ref, value = outputs[name]()
+                ref[c, h] = value.astype(ref.dtype)
+
+        if early_stores:
+            decay, g_end = jnp.exp(gc), _row_of(gc, rows, chunk - 1)  # g_end: [1, K] the chunk's total log decay
+            store("dec", "kt")
         blk_r, blk_c = rows // sub, cols // sub
         same = blk_r == blk_c  # [C, C] pairs inside one sub-block
         # inside a sub-block: anchor at its middle row
@@ -135,6 +159,8 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             pqk = jnp.where(in_a, dot_nt((q * row_f).astype(bf16), kc), pqk)
         a_mat = jnp.where(rows > cols, pkk, 0.0) * beta
         m = jnp.where(rows >= cols, pqk, 0.0)
+        if early_stores:
+            store("m", "qd")
 
         if inverse == "series":  # (I + A)^-1 by matmuls alone: A^C = 0
             inv = series_inverse(a_mat, eye, chunk)
@@ -152,14 +178,11 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
                 nmat = jnp.dot(inv, jnp.where(same, 0.0, a_mat), preferred_element_type=f32)
                 inv = jnp.dot(series_inverse(nmat, eye, nsub), inv, preferred_element_type=f32)
 
-        decay = jnp.exp(gc)
-        g_end = _row_of(gc, rows, chunk - 1)  # [1, K] total log decay of the chunk
-        w_ref[c, h] = jnp.dot(inv, k * decay * beta, preferred_element_type=f32).astype(w_ref.dtype)
-        u0_ref[c, h] = jnp.dot(inv, v * beta, preferred_element_type=f32).astype(u0_ref.dtype)
-        qd_ref[c, h] = (q * decay).astype(qd_ref.dtype)
-        kt_ref[c, h] = (k * jnp.exp(g_end - gc)).astype(kt_ref.dtype)
-        m_ref[c, h] = m.astype(m_ref.dtype)
-        dec_ref[c, h] = (jnp.exp(g_end) if transposed else jnp.exp(g_end).T).astype(dec_ref.dtype)
+        if early_stores:
+            store("w", "u0")
+        else:
+            decay, g_end = jnp.exp(gc), _row_of(gc, rows, chunk - 1)
+            store("w", "u0", "qd", "kt", "m", "dec")
 
     if per_program == 1:
         one(cb)
@@ -218,7 +241,8 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
     ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
-                          per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr),
+                          per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr,
+                          early_stores=tuning["phase1_early_stores"]),
         out_shape=[ws(chunk, dk, dt=jnp.bfloat16),
                    ws(chunk, dv, dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
                    ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, chunk, dt=jnp.bfloat16),
