@@ -72,8 +72,9 @@ def chunk_state_step(s, u0, w, q_dec, m, k_tail, decay_end, o_ref, *, t0, h, vt,
 def chunk_state_step_t(st, u0t, w, q_dec, m, k_tail, decay_row, o_ref, *, t0, h, vt, rows_in):
     """`chunk_state_step` on the transposed state S^T [BV, K] (u0^T [BV, C], e^(G_C) as a row [1, K]):
     u^T = u0^T - S^T w^T;  o^T = S^T q_dec^T + u^T M^T;  S'^T = S^T e^(G_C) + u^T k_tail. The operand carried
-    in registers (S^T, then u^T) is the left one of every product, so one MMA's accumulator is the next
-    one's A operand without a trip through shared memory, and the MMAs have BV rows. Returns S'^T."""
+    in registers (S^T, then u^T) is the left one of every product, so one MMA's accumulator can be the next
+    one's A operand without a trip through shared memory (whether Triton does so is not yet read from the
+    SASS), and the MMAs have BV rows. Returns S'^T."""
     f32, bf16 = jnp.float32, jnp.bfloat16
     block_v, chunk = u0t.shape
     s16 = st.astype(bf16)

@@ -9,8 +9,9 @@ Phase 2, one program per (sequence, head, value tile), serial over the sequence'
     u = u0 - w S;   o = q_dec S + M u;   S = e^(G_C) S + k_tail^T u   (checkpoints at chunk boundaries)
 By default (tuning phase2_transposed) phase 2 carries the transposed tile S^T [BV, K] and computes the
 transposes of these products (`common.chunk_state_step_t`), so that the operand in registers is always the
-left one and the products have BV rows instead of C: 1.19x faster than the untransposed form at
-(16, 4096, 12) and (8, 2048, 12), 1.02x at (1, 8192, 96), 0.94x at (1, 32768, 96) (H200, docs/benchmarks.md).
+left one and the products have BV rows instead of C. Against the untransposed form, same runs (H200,
+docs/benchmarks.md): 1.19x faster at (16, 4096, 12), 1.02x at (1, 8192, 96), 0.94x at (1, 32768, 96);
+1.20x at (8, 2048, 12), measured with an earlier variant that wrote u0 transposed.
 
 Exponents (the sub-block scheme of `kimik3_jax.ops.kda.kda_chunked`, 16-token sub-blocks): a pair (t, i)
 with i in an earlier sub-block than t factors through the decay at the start of t's sub-block,
