@@ -119,9 +119,10 @@ def reference_prefill(q, k, v, g, beta, s0):
     return kda_chunked(qn, kn, v.astype(jnp.float32), g, beta, s0)
 
 
-def ours_prefill(tuning):
+def ours_prefill(tuning, checkpoint=0):
+    """Our prefill, jitted; with `checkpoint` it also returns the states every `checkpoint` tokens."""
     return jax.jit(lambda q, k, v, g, beta, s0: pprefill.kda_prefill(
-        q, k, v, g, beta, s0, qk_norm=True, out_dtype=jnp.bfloat16, tuning=tuning))
+        q, k, v, g, beta, s0, qk_norm=True, out_dtype=jnp.bfloat16, tuning=tuning, checkpoint=checkpoint))
 
 
 def run_prefill(args, torch_mods, jla):
@@ -140,9 +141,9 @@ def run_prefill(args, torch_mods, jla):
         for tuning in (TUNINGS + TWO_PHASE_TUNINGS if args.sweep else
                        [dict(pprefill.TUNING, **t) for t in args.tunings] if args.tunings else [pprefill.TUNING]):
             try:
-                f = ours_prefill(tuning)
+                f = ours_prefill(tuning, args.checkpoint)
                 ms = bench_jax(f, *x, reps=args.reps)
-                o, s = f(*x)
+                o, s = f(*x)[:2]
                 errs = (rel(o, ref_o), rel(s, ref_s))
             except Exception as e:  # noqa: BLE001  a tuning that does not compile is skipped, and reported
                 print(f"  tuning {tuning} failed: {type(e).__name__}: {str(e)[:200]}")
@@ -283,6 +284,8 @@ def main():
     ap.add_argument("--tunings", type=json.loads, default=None,
                     help='prefill: a JSON list of overrides of the default tuning to time in its place, e.g. '
                          '\'[{}, {"phase2_transposed": true}]\'')
+    ap.add_argument("--checkpoint", type=int, default=0,
+                    help="prefill: ours also returns the state every this many tokens (prefix caching)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", choices=("prefill", "decode"), default=None)
     ap.add_argument("--json", default=None)
