@@ -1,0 +1,138 @@
+"""A static report of our KDA Pallas kernels with no GPU: registers, spills, and the SASS instruction mix,
+as Triton and ptxas would build them for sm_90. It runs in two steps, because the project's venv (jax) and
+a Triton wheel do not share one environment:
+
+    # 1. in the project's venv: lower the kernels for CUDA on the CPU and keep the Triton IR Pallas builds
+    python benchmarks/sass_report.py dump /tmp/ttir --tunings '[{}, {"phase1_warps": 4}]' [--op decode]
+    # 2. in a venv with a Triton wheel (pip install triton; 3.9.0 was used): compile each kernel for sm_90a,
+    #    run ptxas -v and cuobjdump (both ship in the wheel), print one row per kernel
+    TRITON_DEFAULT_FP_FUSION=1 /tmp/tvenv/bin/python benchmarks/sass_report.py compile /tmp/ttir
+
+The wheel's Triton is not the one inside jaxlib's GPU plugin, so the numbers are a proxy. For the prefill's
+two kernels at their defaults it reported 255 and 244 registers, the same as Nsight Compute on the H200
+(docs/benchmarks.md, 2026-12-02). "blocks/SM" is the register limit alone: 64 K registers over
+(registers per thread, rounded up to 8) x 32 x warps, at most 64 warps per SM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SASS_OPS = ("HGMMA", "HMMA", "LDSM", "LDS", "STS", "BAR", "SHFL", "MUFU", "LDL", "STL")
+
+
+def dump(out: Path, tunings: list[dict], op: str, shape: tuple[int, int, int], checkpoint: int) -> None:
+    """Lower our kda_prefill (or kda_decode) for CUDA once per tuning; write each pallas_call's Triton IR
+    as <tuning index>_<kernel name>.ttir, with its launch options (warps, stages) and the tuning beside it."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    modules = []
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def keep(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = keep
+    out.mkdir(parents=True, exist_ok=True)
+    for i, tuning in enumerate(tunings):
+        modules.clear()
+        hlo = _lowered_text(op, shape, tuning, checkpoint, jax, jnp)
+        launch = {name: (int(stages), int(warps)) for name, stages, warps in re.findall(
+            r'name = "([\w.]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', hlo)}
+        for text in modules:
+            name = re.search(r"module @([\w.]+)", text).group(1)
+            stages, warps = launch[name]
+            stem = out / f"{i}_{name}"
+            stem.with_suffix(".ttir").write_text(text)
+            stem.with_suffix(".json").write_text(json.dumps(dict(tuning=tuning, num_warps=warps, num_stages=stages)))
+            print(f"{stem}.ttir: {tuning} {warps} warps, {stages} stages")
+
+
+def _lowered_text(op, shape, tuning, checkpoint, jax, jnp):
+    b, t, h = shape
+    d = 128
+    if op == "prefill":
+        from pallas_kernels.kda.prefill import kda_prefill
+        q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+        g = jax.ShapeDtypeStruct((b, t, h, d), jnp.float32)
+        args = (q, q, q, g, jax.ShapeDtypeStruct((b, t, h), jnp.float32),
+                jax.ShapeDtypeStruct((b, h, d, d), jnp.float32))
+        f = jax.jit(lambda *a: kda_prefill(*a, qk_norm=True, out_dtype=jnp.bfloat16, interpret=False,
+                                           tuning=tuning, checkpoint=checkpoint))
+    else:  # one decode step for b sequences (a pool of b slots), the benchmark's arguments
+        from pallas_kernels.kda.decode import kda_decode
+        n, c = b, h * d
+        args = (jax.ShapeDtypeStruct((n, 3, c), jnp.bfloat16), jax.ShapeDtypeStruct((3, c, 4), jnp.float32),
+                jax.ShapeDtypeStruct((n, 3, 3, c), jnp.bfloat16), jax.ShapeDtypeStruct((n, h, d, d), jnp.float32),
+                jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n, h, d), jnp.float32),
+                jax.ShapeDtypeStruct((n, h), jnp.float32), jax.ShapeDtypeStruct((n, h, d), jnp.float32),
+                jax.ShapeDtypeStruct((d,), jnp.float32))
+        a_log = jnp.zeros((h,), jnp.float32)
+        f = jax.jit(lambda *a: kda_decode(*a, eps=1e-5, a_log=a_log, lower_bound=-5.0, interpret=False,
+                                          tuning=tuning))
+    return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def compile_all(src: Path) -> None:
+    """Compile every .ttir under src for sm_90a with the installed Triton; one row per kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = next(p for p in (tools / "ptxas-blackwell", tools / "ptxas") if p.exists())
+    print(f"triton {triton.__version__}, {ptxas.name}")
+    print("| kernel | tuning | warps | registers | spill bytes (st / ld) | blocks/SM by registers | "
+          + " | ".join(SASS_OPS) + " |")
+    print("| --- " * (6 + len(SASS_OPS)) + "|")
+    for ttir in sorted(src.glob("*.ttir")):
+        meta = json.loads(ttir.with_suffix(".json").read_text())
+        warps = meta["num_warps"]
+        kernel = triton.compile(str(ttir), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=warps, num_stages=meta["num_stages"]))
+        ptx, cubin = ttir.with_suffix(".ptx"), ttir.with_suffix(".cubin")
+        ptx.write_text(kernel.asm["ptx"])
+        cubin.write_bytes(kernel.asm["cubin"])
+        report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", "/dev/null"],
+                                capture_output=True, text=True).stderr
+        regs = int(re.search(r"Used (\d+) registers", report).group(1))
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+        ttir.with_suffix(".sass").write_text(sass)
+        counts = [len(re.findall(r"\b" + op + r"[ .]", sass)) for op in SASS_OPS]
+        blocks = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 64 // warps)
+        print(f"| {ttir.stem} | {json.dumps(meta['tuning'])} | {warps} | {regs} | {spills[0]} / {spills[1]} | "
+              f"{blocks} ({blocks * warps} warps) | " + " | ".join(map(str, counts)) + " |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="step", required=True)
+    d = sub.add_parser("dump", help="step 1, in the project's venv")
+    d.add_argument("out", type=Path)
+    d.add_argument("--tunings", type=json.loads, default=[{}], help="JSON list of tuning overrides")
+    d.add_argument("--op", choices=("prefill", "decode"), default="prefill")
+    d.add_argument("--shape", default="1x8192x96", help="prefill BxTxH; decode NxH, e.g. 32x96")
+    d.add_argument("--checkpoint", type=int, default=0, help="prefill: states every this many tokens")
+    c = sub.add_parser("compile", help="step 2, in a venv with triton")
+    c.add_argument("src", type=Path)
+    args = ap.parse_args(argv)
+    if args.step == "dump":
+        shape = tuple(int(x) for x in args.shape.split("x"))
+        if args.op == "decode":
+            shape = (shape[0], 1, shape[1])
+        dump(args.out, args.tunings, args.op, shape, args.checkpoint)
+    else:
+        compile_all(args.src)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
