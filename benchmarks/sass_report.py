@@ -1,9 +1,9 @@
-"""A static report of our KDA Pallas kernels with no GPU: registers, spills, and the SASS instruction mix,
+"""A static report of our Pallas kernels (KDA prefill and decode, the MoE GEMMs) with no GPU: registers, spills, and the SASS instruction mix,
 as Triton and ptxas would build them for sm_90. It runs in two steps, because the project's venv (jax) and
 a Triton wheel do not share one environment:
 
     # 1. in the project's venv: lower the kernels for CUDA on the CPU and keep the Triton IR Pallas builds
-    python benchmarks/sass_report.py dump /tmp/ttir --tunings '[{}, {"phase1_warps": 4}]' [--op decode]
+    python benchmarks/sass_report.py dump /tmp/ttir --tunings '[{}, {"phase1_warps": 4}]' [--op decode|moe]
     # 2. in a venv with a Triton wheel (pip install triton; 3.9.0 was used): compile each kernel for sm_90a,
     #    run ptxas -v and cuobjdump (both ship in the wheel), print one row per kernel
     TRITON_DEFAULT_FP_FUSION=1 /tmp/tvenv/bin/python benchmarks/sass_report.py compile /tmp/ttir
@@ -27,8 +27,10 @@ SASS_OPS = ("HGMMA", "HMMA", "LDSM", "LDS", "STS", "BAR", "SHFL", "MUFU", "LDL",
 
 
 def dump(out: Path, tunings: list[dict], op: str, shape: tuple[int, int, int], checkpoint: int) -> None:
-    """Lower our kda_prefill (or kda_decode) for CUDA once per tuning; write each pallas_call's Triton IR
-    as <tuning index>_<kernel name>.ttir, with its launch options (warps, stages) and the tuning beside it."""
+    """Lower our kda_prefill (kda_decode, or routed_experts for "moe") for CUDA once per tuning; write each
+    pallas_call's Triton IR as <tuning index>_<kernel name>.ttir, with its launch options (warps, stages)
+    and the tuning beside it. For "moe" a tuning holds `decode` (a name of pallas_kernels.moe.decode's
+    DECODERS) and the token count is shape[0]."""
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as registration
@@ -68,6 +70,16 @@ def _lowered_text(op, shape, tuning, checkpoint, jax, jnp):
                 jax.ShapeDtypeStruct((b, h, d, d), jnp.float32))
         f = jax.jit(lambda *a: kda_prefill(*a, qk_norm=True, out_dtype=jnp.bfloat16, interpret=False,
                                            tuning=tuning, checkpoint=checkpoint))
+    elif op == "moe":  # K3's widths: 896 experts, latent 3584, expert width 3072, top 16
+        from kimik3_jax.params import ExpertParams
+        from pallas_kernels.moe.routed import routed_experts
+        e, lat, wid, top = 896, 3584, 3072, 16
+        u8 = lambda *s: jax.ShapeDtypeStruct(s, jnp.uint8)  # noqa: E731
+        experts = ExpertParams(u8(e, wid, lat // 2), u8(e, wid, lat // 32), u8(e, wid, lat // 2),
+                               u8(e, wid, lat // 32), u8(e, lat, wid // 2), u8(e, lat, wid // 32))
+        args = (jax.ShapeDtypeStruct((b, lat), jnp.bfloat16), jax.ShapeDtypeStruct((b, top), jnp.int32),
+                jax.ShapeDtypeStruct((b, top), jnp.float32), experts)
+        f = jax.jit(lambda *a: routed_experts(*a, 4.0, 25.0, interpret=False, **tuning))
     else:  # one decode step for b sequences (a pool of b slots), the benchmark's arguments
         from pallas_kernels.kda.decode import kda_decode
         n, c = b, h * d
@@ -119,8 +131,8 @@ def main(argv=None):
     d = sub.add_parser("dump", help="step 1, in the project's venv")
     d.add_argument("out", type=Path)
     d.add_argument("--tunings", type=json.loads, default=[{}], help="JSON list of tuning overrides")
-    d.add_argument("--op", choices=("prefill", "decode"), default="prefill")
-    d.add_argument("--shape", default="1x8192x96", help="prefill BxTxH; decode NxH, e.g. 32x96")
+    d.add_argument("--op", choices=("prefill", "decode", "moe"), default="prefill")
+    d.add_argument("--shape", default="1x8192x96", help="prefill BxTxH; decode NxH, e.g. 32x96; moe N tokens")
     d.add_argument("--checkpoint", type=int, default=0, help="prefill: states every this many tokens")
     c = sub.add_parser("compile", help="step 2, in a venv with triton")
     c.add_argument("src", type=Path)
@@ -129,6 +141,8 @@ def main(argv=None):
         shape = tuple(int(x) for x in args.shape.split("x"))
         if args.op == "decode":
             shape = (shape[0], 1, shape[1])
+        elif args.op == "moe":
+            shape = (shape[0], 1, 1)
         dump(args.out, args.tunings, args.op, shape, args.checkpoint)
     else:
         compile_all(args.src)

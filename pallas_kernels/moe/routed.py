@@ -73,10 +73,11 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
                    interpret=None, decode=DEFAULT_DECODE):
     """Same contract as `kimik3_jax.ops.moe.routed_experts` (bf16 xl [N, L], packed experts of one layer)
     -> [N, L] float32. `strategy` is the pure op's and is ignored: the tiles follow the number of pairs per
-    expert (`choose_config`) unless `config` is given. `decode` picks the in-register MXFP4 decode: "asm"
-    (the default, decode.decode_asm: PTX, GPU only, "fast" in the interpreter), "fast" (decode.decode_fast)
-    and "exact" (decode.decode) give the same bits with fewer or more integer operations; "reinterpret" is a
-    benchmark diagnostic (wrong values)."""
+    expert (`choose_config`) unless `config` is given. `decode` picks the in-register MXFP4 decode
+    (`decode.DECODERS`): "asm1" (the default: PTX, GPU only, one multiply per pair where every scale byte of
+    the program's weight rows allows it, else "asm"; "fast1" in the interpreter), "asm" (PTX, "fast" in the
+    interpreter), "fast" and "exact" give the same bits with fewer or more integer operations; "reinterpret"
+    is a benchmark diagnostic (wrong values)."""
     del strategy
     n, k = idx.shape
     num_experts, width, half = experts.w1_packed.shape
