@@ -73,8 +73,9 @@ def chunk_state_step_t(st, u0t, w, q_dec, m, k_tail, decay_row, o_ref, *, t0, h,
     """`chunk_state_step` on the transposed state S^T [BV, K] (u0^T [BV, C], e^(G_C) as a row [1, K]):
     u^T = u0^T - S^T w^T;  o^T = S^T q_dec^T + u^T M^T;  S'^T = S^T e^(G_C) + u^T k_tail. The operand carried
     in registers (S^T, then u^T) is the left one of every product, so one MMA's accumulator can be the next
-    one's A operand without a trip through shared memory (whether Triton does so is not yet read from the
-    SASS), and the MMAs have BV rows. Returns S'^T."""
+    one's A operand without a trip through shared memory, and the MMAs have BV rows (wgmma: the offline
+    Triton 3.9 build of benchmarks/sass_report.py shows HGMMA with A in registers; jaxlib's build is not
+    yet read). Returns S'^T."""
     f32, bf16 = jnp.float32, jnp.bfloat16
     block_v, chunk = u0t.shape
     s16 = st.astype(bf16)
