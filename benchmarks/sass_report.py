@@ -30,7 +30,8 @@ def dump(out: Path, tunings: list[dict], op: str, shape: tuple[int, int, int], c
     """Lower our kda_prefill (kda_decode, or routed_experts for "moe") for CUDA once per tuning; write each
     pallas_call's Triton IR as <tuning index>_<kernel name>.ttir, with its launch options (warps, stages)
     and the tuning beside it. For "moe" a tuning holds `decode` (a name of pallas_kernels.moe.decode's
-    DECODERS) and the token count is shape[0]."""
+    DECODERS) and `config` ({"bm": .., "gate_up": {Tiles fields}, "down": {..}}), and the token count is
+    shape[0]."""
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as registration
@@ -79,7 +80,12 @@ def _lowered_text(op, shape, tuning, checkpoint, jax, jnp):
                                u8(e, wid, lat // 32), u8(e, lat, wid // 2), u8(e, lat, wid // 32))
         args = (jax.ShapeDtypeStruct((b, lat), jnp.bfloat16), jax.ShapeDtypeStruct((b, top), jnp.int32),
                 jax.ShapeDtypeStruct((b, top), jnp.float32), experts)
-        f = jax.jit(lambda *a: routed_experts(*a, 4.0, 25.0, interpret=False, **tuning))
+        kw = dict(tuning)
+        if "config" in kw:  # {"bm": .., "gate_up": {Tiles fields}, "down": {..}}
+            from pallas_kernels.moe.kernels import TileConfig, Tiles
+            c = kw["config"]
+            kw["config"] = TileConfig(c["bm"], Tiles(**c["gate_up"]), Tiles(**c["down"]))
+        f = jax.jit(lambda *a: routed_experts(*a, 4.0, 25.0, interpret=False, **kw))
     else:  # one decode step for b sequences (a pool of b slots), the benchmark's arguments
         from pallas_kernels.kda.decode import kda_decode
         n, c = b, h * d
