@@ -1,6 +1,6 @@
-"""A static report of our Pallas kernels (KDA prefill and decode, the MoE GEMMs) with no GPU: registers, spills, and the SASS instruction mix,
-as Triton and ptxas would build them for sm_90. It runs in two steps, because the project's venv (jax) and
-a Triton wheel do not share one environment:
+"""A static report of our Pallas kernels (KDA prefill and decode, the MoE GEMMs) with no GPU: registers, spills,
+and the SASS instruction mix, as Triton and ptxas would build them for sm_90. It runs in two steps, because
+the project's venv (jax) and a Triton wheel do not share one environment:
 
     # 1. in the project's venv: lower the kernels for CUDA on the CPU and keep the Triton IR Pallas builds
     python benchmarks/sass_report.py dump /tmp/ttir --tunings '[{}, {"phase1_warps": 4}]' [--op decode|moe]

@@ -7,15 +7,15 @@ the new conv tails back into their slots (both pools are aliased inputs/outputs,
 caller donates them). Bandwidth-bound: the state is read and written once. Implements
 `kimik3_jax.ops.kda.kda_decode`; refuses float64 and odd head dims.
 
-Value tiles (`tuning=dict(block_v=B)`, B a power of two below V that divides it), still one launch: the
-grid becomes (V // B, H, N) (or (V // B, N, H)), more and smaller programs (a [K, B] slice of the state
-each, fewer registers). The prediction, the delta-rule update and the read are independent per value column, so each program
-recomputes the head's q/k conv + SiLU, the gate and the q/k L2 norm (K channels each), convolves only its
-B value channels, updates and reads only its state slice, and writes its un-normed fp32 output slice and
-its value channels' conv tails. The output RMSNorm needs the whole value row, and the q/k tails are read
-by every tile of the head: so each program then increments a per-(sequence, head) counter (an atomic add
-after a CTA barrier: the grid-sync pattern, which makes the program's stores visible before the count),
-and the program that brings it to V // B, the head's last, norms the row and writes the q/k tails.
+Value tiles (`tuning=dict(block_v=B)`, B a power of two below V that divides it), still one launch: the grid
+becomes (V // B, H, N) (or (V // B, N, H)), more and smaller programs (a [K, B] slice of the state each, fewer
+registers). The prediction, the delta-rule update and the read are independent per value column, so each
+program recomputes the head's q/k conv + SiLU, the gate and the q/k L2 norm (K channels each), convolves only
+its B value channels, updates and reads only its state slice, and writes its un-normed fp32 output slice and
+its value channels' conv tails. The output RMSNorm needs the whole value row, and the q/k tails are read by
+every tile of the head: so each program then increments a per-(sequence, head) counter (an atomic add after a
+CTA barrier: the grid-sync pattern, which makes the program's stores visible before the count), and the
+program that brings it to V // B, the head's last, norms the row and writes the q/k tails.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from pallas_kernels.kda.common import (
 # phase1_warps, phase1_stages, phase1_chunks (chunks per program) to the parallel phase 1; u0_bf16 stores
 # its u0 workspace in bf16. One-phase chunks are limited by the gate bound (chunk 32 keeps the anchored
 # factors within e^80 at -5).
-TUNING = dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=2, **two_phase.PHASE1_DEFAULTS)
+TUNING = dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=2, **two_phase.TWO_PHASE_DEFAULTS)
 MAX_WORKSPACE_BYTES = 4 << 30  # above this the default falls back to one phase (see the module docstring)
 MAX_ANCHOR_EXPONENT = 80.0  # e^80 = 5.5e34 < bf16/fp32 max 3.4e38, with room for |q|, |k| <= 1
 

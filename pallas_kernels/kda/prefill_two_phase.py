@@ -69,8 +69,9 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # accumulator can feed the next MMA's A operand in registers, with M = BV rows instead of the chunk's 16.
 # Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V] and phase 2 transposes its tile (phase 1
 # writing u0^T by a transposed product ran 1.20x slower at (1, 8192, 96), and even at (16, 4096, 12)).
-# phase1_early_stores: see _phase1_kernel (not yet measured on a GPU).
-PHASE1_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
+# phase1_early_stores: see _phase1_kernel (not yet measured on a GPU). These defaults are the two-phase
+# variant's own tuning keys; prefill.TUNING adds the keys both variants share.
+TWO_PHASE_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
                        phase2_transposed=True, phase1_early_stores=False)
 
 
