@@ -249,6 +249,10 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="stop after the tile sweep (an exploration run)")
+    ap.add_argument("--candidates", type=json.loads, default=None,
+                    help='the sweep\'s candidates in place of the built-in ones, each after its regime\'s default: '
+                         'a JSON list of {"regime": "decode" or "prefill", "config": {"bm": .., "gate_up": {Tiles '
+                         'fields}, "down": {..}} (default: the regime\'s tiles), "decode": a DECODERS name}')
     ap.add_argument("--ragged-full", action="store_true",
                     help="also try lax.ragged_dot with all 896 experts (ANCHORS: it does not compile there)")
     ap.add_argument("--small", action="store_true", help="tiny widths: a dry run of the script on the CPU")
@@ -276,27 +280,34 @@ def main():
     # Tile sweep: a few candidates per regime, at a representative token count each.
     best = {"decode": kern.DECODE, "prefill": kern.PREFILL}
     if not args.no_sweep:
-        cands = {"decode": (512, sweep_configs(kern.DECODE, [dict(bk=256)])),
-                 "prefill": (4096, sweep_configs(kern.PREFILL, [dict(bk=128, num_stages=3)]))}
+        cands = {"decode": (512, [(c, kern.DEFAULT_DECODE) for c in sweep_configs(kern.DECODE, [dict(bk=256)])]),
+                 "prefill": (4096, [(c, kern.DEFAULT_DECODE)
+                                    for c in sweep_configs(kern.PREFILL, [dict(bk=128, num_stages=3)])])}
+        if args.candidates is not None:
+            cands = {r: (n, cs[:1] + [(TileConfig.from_dict(c["config"]) if "config" in c else cs[0][0],
+                                       c.get("decode", kern.DEFAULT_DECODE))
+                                      for c in args.candidates if c["regime"] == r])
+                     for r, (n, cs) in cands.items() if any(c["regime"] == r for c in args.candidates)}
         for regime, (n, cs) in cands.items():
             scores, default_out = [], None  # the default tiles' output (cs[0]), once it ran
             xl, idx, w = routing(n, n)
-            for c in cs:
+            for c, decode in cs:
                 if late(0.9 if args.sweep_only else 0.45):
                     break
                 try:
-                    r = measure_kernels(ex, n, c)
-                    scores.append((r["gate_up_s"] + r["down_s"], c))
-                    RESULTS["sweep"].append({"regime": regime, "tokens": n, "config": repr(c), **r})
-                    log("sweep", regime, n, c, r)
-                    got = kernel_fn(kern.fit(c, L, F))(xl, idx, w, ex)  # the program just timed
-                    if c == cs[0]:
+                    r = measure_kernels(ex, n, c, decode)
+                    if decode == kern.DEFAULT_DECODE:
+                        scores.append((r["gate_up_s"] + r["down_s"], c))
+                    RESULTS["sweep"].append({"regime": regime, "tokens": n, "config": repr(c), "decode": decode, **r})
+                    log("sweep", regime, n, c, decode, r)
+                    got = kernel_fn(kern.fit(c, L, F), decode)(xl, idx, w, ex)  # the program just timed
+                    if (c, decode) == cs[0]:
                         default_out = got
                     elif default_out is not None:  # the same op: against the default tiles' output
-                        record_check(n, f"sweep {regime} {c} vs default tiles", got, default_out)
+                        record_check(n, f"sweep {regime} {c} {decode} vs default", got, default_out)
                 except Exception as exc:  # noqa: BLE001
-                    RESULTS["errors"].append(f"sweep {regime} {c}: {type(exc).__name__}: {str(exc)[:400]}")
-                    log("sweep failed", regime, c, str(exc)[:400])
+                    RESULTS["errors"].append(f"sweep {regime} {c} {decode}: {type(exc).__name__}: {str(exc)[:400]}")
+                    log("sweep failed", regime, c, decode, str(exc)[:400])
             if scores:
                 best[regime] = min(scores, key=lambda s: s[0])[1]
             save(args.out)
@@ -305,7 +316,7 @@ def main():
         save(args.out)
         for r in RESULTS["sweep"]:
             print(f"sweep {r['regime']} {r['tokens']} gate_up {r['gate_up_s'] * 1e3:.3f} ms down "
-                  f"{r['down_s'] * 1e3:.3f} ms whole {r['whole_s'] * 1e3:.3f} ms  {r['config']}")
+                  f"{r['down_s'] * 1e3:.3f} ms whole {r['whole_s'] * 1e3:.3f} ms  {r['decode']} {r['config']}")
         for c in RESULTS["checks"]:
             print("check", c)
         return 0

@@ -82,9 +82,8 @@ def _lowered_text(op, shape, tuning, checkpoint, jax, jnp):
                 jax.ShapeDtypeStruct((b, top), jnp.float32), experts)
         kw = dict(tuning)
         if "config" in kw:  # {"bm": .., "gate_up": {Tiles fields}, "down": {..}}
-            from pallas_kernels.moe.kernels import TileConfig, Tiles
-            c = kw["config"]
-            kw["config"] = TileConfig(c["bm"], Tiles(**c["gate_up"]), Tiles(**c["down"]))
+            from pallas_kernels.moe.kernels import TileConfig
+            kw["config"] = TileConfig.from_dict(kw["config"])
         f = jax.jit(lambda *a: routed_experts(*a, 4.0, 25.0, interpret=False, **kw))
     else:  # one decode step for b sequences (a pool of b slots), the benchmark's arguments
         from pallas_kernels.kda.decode import kda_decode

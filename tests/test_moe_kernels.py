@@ -196,13 +196,17 @@ def _mixed_scale_experts(rng):
 @pytest.mark.parametrize("config,n,k,kind,scales,decode", [(DECODE, 40, 4, "skewed", "wide", "fast"),
                                                            (DECODE, 33, 1, "one_expert", "narrow", "fast"),
                                                            (PREFILL, 24, 4, "random", "wide", "fast"),
-                                                           (DECODE, 40, 4, "skewed", "mixed", "fast1")],
-                         ids=["decode-uneven-wide", "decode-one-expert", "prefill-wide", "decode-mixed-fast1"])
+                                                           (DECODE, 40, 4, "skewed", "mixed", "fast1"),
+                                                           (DECODE, 40, 4, "skewed", "narrow", "asm1-unchecked"),
+                                                           (PREFILL, 24, 4, "random", "narrow", "asm1-unchecked")],
+                         ids=["decode-uneven-wide", "decode-one-expert", "prefill-wide", "decode-mixed-fast1",
+                              "decode-unchecked", "prefill-unchecked"])
 def test_fast_decode_kernels_equal_exact_bitwise(config, n, k, kind, scales, decode):
     """decode="fast", and "fast1" (the interpreter's "asm1": its quick decoder, wrong past scale byte 128,
     serves only the programs whose scale bytes all allow it), against decode="exact": interpreted, the same
     weights reach the same dots, so every output bit agrees (uneven and empty groups, all tokens on one
-    expert, scale bytes 1..254; "mixed": experts with and without a scale byte past 128)."""
+    expert, scale bytes 1..254; "mixed": experts with and without a scale byte past 128). "asm1-unchecked" (the
+    quick decoder in every program, interpreted as "fast1-unchecked") on scale bytes 122..128, where it is exact."""
     rng = np.random.default_rng([n, k, 3])
     experts = {"wide": _wide_scale_experts, "narrow": _experts, "mixed": _mixed_scale_experts}[scales](rng)
     idx, w = _routing(rng, n, k, kind)
@@ -225,6 +229,8 @@ def test_gpu_only_decode_has_a_bit_identical_stand_in():
     assert kern_mod._decoders("gate_up", "asm1", big, interpret=False) == dec.DECODERS["asm1"]
     assert kern_mod._decoders("gate_up", "asm1", big, interpret=True) == dec.DECODERS["fast1"]
     assert kern_mod._decoders("down", "exact", small, interpret=True) == dec.DECODERS["exact"]
+    assert kern_mod._decoders("down", "asm1-unchecked", big, interpret=True) == dec.DECODERS["fast1-unchecked"]
+    assert dec.DECODERS["fast1-unchecked"].full is dec.DECODERS["fast1"].quick.full
     assert kern_mod.DEFAULT_DECODE == "asm1"
     scale = jnp.asarray([[120, 128, 129, 254]], jnp.uint8)
     packed = jnp.full((1, 64), 0x77, jnp.uint8)  # +-6 everywhere: wrong past 128 in the quick stand-in only

@@ -60,6 +60,11 @@ class TileConfig:
     gate_up: Tiles
     down: Tiles
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "TileConfig":
+        """From {"bm": .., "gate_up": {Tiles fields}, "down": {Tiles fields}} (the benchmarks' JSON form)."""
+        return cls(d["bm"], Tiles(**d["gate_up"]), Tiles(**d["down"]))
+
 
 def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
