@@ -69,8 +69,9 @@ def chunk_state_step(s, u0, w, q_dec, m, k_tail, decay_end, o_ref, *, t0, h, vt,
     return s * decay_end + dot_tn(k_tail, u16)
 
 
-def chunk_state_step_t(st, u0t, w, q_dec, m, k_tail, decay_row, o_ref, *, t0, h, vt, rows_in):
-    """`chunk_state_step` on the transposed state S^T [BV, K] (u0^T [BV, C], e^(G_C) as a row [1, K]):
+def chunk_state_step_t(st, u0t, products, m, k_tail, decay_row, o_ref, *, t0, h, vt, rows_in):
+    """`chunk_state_step` on the transposed state S^T [BV, K] (u0^T [BV, C], e^(G_C) as a row [1, K];
+    `products(S^T in bf16)` returns (S^T w^T, S^T q_dec^T), fp32 [BV, C] each):
     u^T = u0^T - S^T w^T;  o^T = S^T q_dec^T + u^T M^T;  S'^T = S^T e^(G_C) + u^T k_tail. The operand carried
     in registers (S^T, then u^T) is the left one of every product, so one MMA's accumulator can be the next
     one's A operand without a trip through shared memory, and the MMAs have BV rows (wgmma: the offline
@@ -79,8 +80,9 @@ def chunk_state_step_t(st, u0t, w, q_dec, m, k_tail, decay_row, o_ref, *, t0, h,
     f32, bf16 = jnp.float32, jnp.bfloat16
     block_v, chunk = u0t.shape
     s16 = st.astype(bf16)
-    u16 = (u0t - dot_nt(s16, w)).astype(bf16)
-    o = dot_nt(s16, q_dec) + dot_nt(u16, m)
+    sw, sq = products(s16)
+    u16 = (u0t - sw).astype(bf16)
+    o = sq + dot_nt(u16, m)
     plt.store(o_ref.at[pl.ds(t0, chunk), h, vt], o.T.astype(o_ref.dtype),
               mask=jnp.broadcast_to(rows_in, (chunk, block_v)))
     return st * decay_row + jnp.dot(u16, k_tail, preferred_element_type=f32)

@@ -150,7 +150,8 @@ def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=Fals
     if t["phases"] not in (1, 2):
         raise Unsupported(f"kda_prefill kernel: phases = {t['phases']} is not 1 or 2")
     if t["phases"] == 2:
-        two_phase.check(t["chunk"], lower_bound, Unsupported, t["phase1_chunks"], t["phase1_inverse"])
+        two_phase.check(t["chunk"], lower_bound, Unsupported, t["phase1_chunks"], t["phase1_inverse"],
+                        t["phase2_transposed"], t["wq_interleaved"])
     elif lower_bound is not None and t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
         raise Unsupported(f"kda_prefill kernel: gate bound {lower_bound} with chunk {t['chunk']} could overflow")
 

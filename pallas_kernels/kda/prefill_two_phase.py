@@ -71,8 +71,13 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # writing u0^T by a transposed product ran 1.20x slower at (1, 8192, 96), and even at (16, 4096, 12)).
 # phase1_early_stores: see _phase1_kernel (not yet measured on a GPU). These defaults are the two-phase
 # variant's own tuning keys; prefill.TUNING adds the keys both variants share.
+# wq_interleaved (transposed phase 2 only; not yet measured on a GPU): phase 1 writes w and q_dec as one
+# [2C, K] workspace, their rows interleaved (w_0, q_dec_0, w_1, ...), and phase 2 makes both of its products
+# with the state, S^T w^T and S^T q_dec^T, as one MMA of N = 2C, split by columns in registers: one MMA group
+# and one wait fewer on the serial chain per chunk (the offline build's SASS: 8 HGMMA of 64x32 in place of
+# two groups of 8 of 64x16). The same products, each summed in the same order.
 TWO_PHASE_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
-                       phase2_transposed=True, phase1_early_stores=False)
+                          phase2_transposed=True, phase1_early_stores=False, wq_interleaved=False)
 
 
 def sub_block(chunk: int) -> int:
@@ -84,15 +89,26 @@ def _row_of(x, rows, idx):
     return jnp.sum(jnp.where(rows == idx, x, 0.0), axis=0, keepdims=True)
 
 
-def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
-                   w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, *, chunk, lower_bound, gate, qk_norm,
-                   per_program, inverse, transposed, early_stores):
+def workspace_names(wq_interleaved: bool) -> tuple[str, ...]:
+    """Phase 1's outputs, in order (phase 2 takes them in the same order)."""
+    return ("wq", "u0", "kt", "m", "dec") if wq_interleaved else ("w", "u0", "qd", "kt", "m", "dec")
+
+
+def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs, chunk,
+                   lower_bound, gate, qk_norm, per_program, inverse, transposed, early_stores, wq_interleaved):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
     (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1).
     early_stores: each workspace is stored as soon as it is known and v is loaded only for u0, so that fewer
     [C, K] tiles are live at once (the default loads everything first and stores everything last); the
-    same values either way."""
+    same values either way. wq_interleaved: w and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one
+    [2C, K] workspace."""
     cb, h = pl.program_id(0), pl.program_id(1)
+    refs = dict(zip(workspace_names(wq_interleaved), out_refs))
+    if wq_interleaved:  # (ref, rows) of w and q_dec
+        rows_of = {"w": (refs["wq"], pl.ds(0, chunk, stride=2)), "qd": (refs["wq"], pl.ds(1, chunk, stride=2))}
+    else:
+        rows_of = {name: (refs[name], slice(None)) for name in ("w", "qd")}
+    rows_of.update({name: (refs[name], slice(None)) for name in ("u0", "kt", "m", "dec")})
 
     def one(c):
         f32, bf16 = jnp.float32, jnp.bfloat16
@@ -125,19 +141,19 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         beta = jnp.where(real, beta, 0.0)
 
         gc = jnp.cumsum(g, axis=0)  # G_t, inclusive; non-increasing down the chunk
-        outputs = {  # each workspace as (ref, value), built when stored
-            "w": lambda: (w_ref, jnp.dot(inv, k * decay * beta, preferred_element_type=f32)),
-            "u0": lambda: (u0_ref, jnp.dot(inv, (load_v() if v is None else v) * beta, preferred_element_type=f32)),
-            "qd": lambda: (qd_ref, q * decay),
-            "kt": lambda: (kt_ref, k * jnp.exp(g_end - gc)),
-            "m": lambda: (m_ref, m),
-            "dec": lambda: (dec_ref, jnp.exp(g_end) if transposed else jnp.exp(g_end).T),
+        outputs = {  # each workspace's value, built when stored
+            "w": lambda: jnp.dot(inv, k * decay * beta, preferred_element_type=f32),
+            "u0": lambda: jnp.dot(inv, (load_v() if v is None else v) * beta, preferred_element_type=f32),
+            "qd": lambda: q * decay,
+            "kt": lambda: k * jnp.exp(g_end - gc),
+            "m": lambda: m,
+            "dec": lambda: jnp.exp(g_end) if transposed else jnp.exp(g_end).T,
         }
 
         def store(*names):
             for name in names:
-                ref, value = outputs[name]()
-                ref[c, h] = value.astype(ref.dtype)
+                ref, rows_ = rows_of[name]
+                ref[c, h, rows_] = outputs[name]().astype(ref.dtype)
 
         if early_stores:
             decay, g_end = jnp.exp(gc), _row_of(gc, rows, chunk - 1)  # g_end: [1, K] the chunk's total log decay
@@ -192,9 +208,12 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         jax.lax.fori_loop(0, per_program, lambda i, carry: (one(cb * per_program + i), carry)[1], 0)
 
 
-def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref, s0_ref,
-                   o_ref, sf_ref, *cp_ref, heads, chunk, block_v, cp_every, transposed):
+def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, transposed,
+                   wq_interleaved):
     f32 = jnp.float32
+    names = workspace_names(wq_interleaved)
+    work = dict(zip(names, refs))
+    s0_ref, o_ref, sf_ref, *cp_ref = refs[len(names):]
     pid, iv = pl.program_id(0), pl.program_id(1)
     n, h = pid // heads, pid % heads
     bos, eos, base = cu_ref[n], cu_ref[n + 1], choff_ref[n]
@@ -204,10 +223,17 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, w_ref, u0_ref, qd_ref, kt_ref, m_
     def step(j, s):
         ci = base + j
         t0 = bos + j * chunk
-        u0 = u0_ref[ci, h, :, vt].astype(f32)
-        state_step, u0 = (chunk_state_step_t, u0.T) if transposed else (chunk_state_step, u0)
-        return state_step(s, u0, w_ref[ci, h], qd_ref[ci, h], m_ref[ci, h], kt_ref[ci, h], dec_ref[ci, h], o_ref,
-                          t0=t0, h=h, vt=vt, rows_in=(t0 + rows) < eos)
+        u0 = work["u0"][ci, h, :, vt].astype(f32)
+        tail = (work["m"][ci, h], work["kt"][ci, h], work["dec"][ci, h], o_ref)
+        kw = dict(t0=t0, h=h, vt=vt, rows_in=(t0 + rows) < eos)
+        if wq_interleaved:  # S^T [w; q_dec]^T, one MMA [BV, 2C], its columns alternating w, q_dec
+            wq = work["wq"][ci, h]
+            products = lambda s16: jnp.unstack(dot_nt(s16, wq).reshape(block_v, chunk, 2), axis=-1)  # noqa: E731
+            return chunk_state_step_t(s, u0.T, products, *tail, **kw)
+        w, qd = work["w"][ci, h], work["qd"][ci, h]
+        if transposed:
+            return chunk_state_step_t(s, u0.T, lambda s16: (dot_nt(s16, w), dot_nt(s16, qd)), *tail, **kw)
+        return chunk_state_step(s, u0, w, qd, *tail, **kw)
 
     serial_chunks(step, s0_ref, sf_ref, cp_ref, cpo_ref, n=n, h=h, vt=vt, bos=bos, eos=eos, chunk=chunk,
                   cp_every=cp_every, transposed=transposed)
@@ -239,16 +265,18 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
     if n_chunks % tuning["phase1_chunks"]:
         raise ValueError(f"phase 1: {n_chunks} chunks do not divide into programs of {tuning['phase1_chunks']}")
     dk, dv = q.shape[-1], v.shape[-1]
-    tr = tuning["phase2_transposed"]
+    tr, wq = tuning["phase2_transposed"], tuning["wq_interleaved"]
     ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
+    shapes = dict(w=ws(chunk, dk, dt=jnp.bfloat16), qd=ws(chunk, dk, dt=jnp.bfloat16),
+                  wq=ws(2 * chunk, dk, dt=jnp.bfloat16),
+                  u0=ws(chunk, dv, dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
+                  kt=ws(chunk, dk, dt=jnp.bfloat16), m=ws(chunk, chunk, dt=jnp.bfloat16),
+                  dec=ws(*((1, dk) if tr else (dk, 1)), dt=jnp.float32))
     return pl.pallas_call(
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
                           per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr,
-                          early_stores=tuning["phase1_early_stores"]),
-        out_shape=[ws(chunk, dk, dt=jnp.bfloat16),
-                   ws(chunk, dv, dt=jnp.bfloat16 if tuning["u0_bf16"] else jnp.float32),
-                   ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, dk, dt=jnp.bfloat16), ws(chunk, chunk, dt=jnp.bfloat16),
-                   ws(*((1, dk) if tr else (dk, 1)), dt=jnp.float32)],
+                          early_stores=tuning["phase1_early_stores"], wq_interleaved=wq),
+        out_shape=[shapes[name] for name in workspace_names(wq)],
         grid=(n_chunks // tuning["phase1_chunks"], heads), interpret=interpret, name="kda_prefill_phase1",
         compiler_params=compiler_params(tuning["phase1_warps"], tuning["phase1_stages"]),
     )(t0, eos, end, a_log_arr, q, k, v, g, beta)
@@ -266,15 +294,18 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     nseq = cu.shape[0] - 1
     return pl.pallas_call(
         functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every,
-                          transposed=tuning["phase2_transposed"]),
+                          transposed=tuning["phase2_transposed"], wq_interleaved=tuning["wq_interleaved"]),
         out_shape=out_shape, grid=(nseq * heads, dv // block_v), interpret=interpret,
         name="kda_prefill_phase2",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
     )(cu, choff, cpo, *work, s0)
 
 
-def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series"):
+def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series", phase2_transposed=True,
+          wq_interleaved=False):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
+    if wq_interleaved and not phase2_transposed:
+        raise unsupported("kda_prefill two-phase kernel: wq_interleaved needs phase2_transposed")
     if phase1_inverse not in ("substitution", "series"):
         raise unsupported(f"kda_prefill two-phase kernel: phase1_inverse = {phase1_inverse!r} is not "
                           "'substitution' or 'series'")
