@@ -76,8 +76,8 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # with the state, S^T w^T and S^T q_dec^T, as one MMA of N = 2C, split by columns in registers: one MMA group
 # and one wait fewer on the serial chain per chunk (the offline build's SASS: 8 HGMMA of 64x32 in place of
 # two groups of 8 of 64x16). The same products, each summed in the same order.
-TWO_PHASE_DEFAULTS = dict(phase1_warps=2, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
-                          phase2_transposed=True, phase1_early_stores=False, wq_interleaved=False)
+TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
+                          phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False)
 
 
 def sub_block(chunk: int) -> int:

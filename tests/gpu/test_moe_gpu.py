@@ -67,6 +67,14 @@ def test_compiled_decode_equals_exact(config, n, k, kind, wide, decode):
     assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("config", [cpu.DECODE, cpu.PREFILL, None], ids=["decode", "prefill", "default"])
+@pytest.mark.parametrize("n,k,kind", [(1, 4, "random"), (33, 1, "one_expert"), (600, 4, "random")])
+def test_compiled_unchecked_quick_decode_equals_exact(config, n, k, kind):
+    """decode="asm1-unchecked" (asm1's quick decoder in every program, no per-program choice) on weights
+    whose scale bytes all allow it (122..128), as the test above."""
+    test_compiled_decode_equals_exact(config, n, k, kind, False, "asm1-unchecked")
+
+
 def test_compiled_scale_bytes_and_skipped_pairs():
     rng = np.random.default_rng(7)
     ex = cpu._experts(rng, 1, 254)
