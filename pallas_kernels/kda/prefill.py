@@ -45,8 +45,8 @@ from pallas_kernels.kda.common import (
     series_inverse,
 )
 
-# Best of the H200 sweeps (docs/benchmarks.md, 2026-11-29 to 2026-12-02): two phases at chunk 16, value tiles
-# of 64, phase 1 at 2 warps with the series inverse, phase 2 on the transposed state.
+# Best of the H200 sweeps (docs/benchmarks.md, 2026-11-29 to 2026-12-03): two phases at chunk 16, value tiles
+# of 64, phase 1 at 4 warps with the series inverse and early stores, phase 2 on the transposed state.
 # chunk, block_v, num_warps, num_stages apply to the serial kernel (phase 2, or the one-phase kernel);
 # phase1_warps, phase1_stages, phase1_chunks (chunks per program) to the parallel phase 1; u0_bf16 stores
 # its u0 workspace in bf16. One-phase chunks are limited by the gate bound (chunk 32 keeps the anchored

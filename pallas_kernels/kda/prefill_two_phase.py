@@ -59,7 +59,11 @@ from pallas_kernels.kda.common import (
 )
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
-# phase 1 at 2 warps: 2.21 ms against 2.67 at 4 warps, (1, 8192, 96) on the H200 (docs/benchmarks.md, 2026-12-01).
+# phase 1 at 4 warps with early stores (the default since 2026-12-03): 2.196 ms against 2.344 at 2 warps (the
+# earlier default) and 2.470 at 2 warps with early stores at (1, 8192, 96); 2.005 against 2.018 at
+# (16, 4096, 12); H200, same runs (docs/benchmarks.md). Offline, early stores take phase 1 at 4 warps from 168
+# to 128 registers (16 warps per SM). At 2 warps without early stores, 4 warps lost (2.21 against 2.67 ms,
+# 2026-12-01).
 # phase1_inverse: "series" (the default: the whole chunk's (I + A)^-1 as (I - A)(I + A^2)...: 2 log2(C) - 2
 # matmuls, TF32 on the GPU, as the one-phase kernel does; 2.277 against 2.641 ms with "substitution" at
 # (1, 8192, 96), the same errors against the fp32 reference, H200 2026-12-02) or "substitution" (exact fp32,
@@ -69,13 +73,14 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # accumulator can feed the next MMA's A operand in registers, with M = BV rows instead of the chunk's 16.
 # Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V] and phase 2 transposes its tile (phase 1
 # writing u0^T by a transposed product ran 1.20x slower at (1, 8192, 96), and even at (16, 4096, 12)).
-# phase1_early_stores: see _phase1_kernel (not yet measured on a GPU). These defaults are the two-phase
-# variant's own tuning keys; prefill.TUNING adds the keys both variants share.
-# wq_interleaved (transposed phase 2 only; not yet measured on a GPU): phase 1 writes w and q_dec as one
-# [2C, K] workspace, their rows interleaved (w_0, q_dec_0, w_1, ...), and phase 2 makes both of its products
-# with the state, S^T w^T and S^T q_dec^T, as one MMA of N = 2C, split by columns in registers: one MMA group
-# and one wait fewer on the serial chain per chunk (the offline build's SASS: 8 HGMMA of 64x32 in place of
-# two groups of 8 of 64x16). The same products, each summed in the same order.
+# phase1_early_stores: see _phase1_kernel. These defaults are the two-phase variant's own tuning keys;
+# prefill.TUNING adds the keys both variants share.
+# wq_interleaved (transposed phase 2 only): phase 1 writes w and q_dec as one [2C, K] workspace, their rows
+# interleaved (w_0, q_dec_0, w_1, ...), and phase 2 makes both of its products with the state, S^T w^T and
+# S^T q_dec^T, as one MMA of N = 2C, split by columns in registers: one MMA group and one wait fewer on the
+# serial chain per chunk (the offline build's SASS: 8 HGMMA of 64x32 in place of two groups of 8 of 64x16).
+# The same products, each summed in the same order. Off: on the H200 it gained 4% at (1, 8192, 96) and lost
+# 25% at (16, 4096, 12) (2.254 / 2.344 and 2.532 / 2.018 ms, 2026-12-03).
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False)
 
