@@ -159,13 +159,21 @@ class Runtime:
     impl: which implementation of the hot ops runs: "xla" (the pure-JAX functions), "pallas" (the
       kernels; an unsupported call is an error) or "auto" (the kernels where the backend and the call
       are supported, else the pure functions).
-    sharding: a `kimik3_jax.sharding.ShardingPlan` (mesh + rules) or None for one device."""
+    sharding: a `kimik3_jax.sharding.ShardingPlan` (mesh + rules) or None for one device.
+    expert_scale_max: the largest E8M0 scale byte of the routed experts' weights, or None (unknown).
+      `load_checkpoint` sets it. The MoE kernels use it to pick their decode: at most 128 (real weights'
+      scales sit near 120) lets every program take the one-multiply decode without checking its own
+      scale bytes first. A value below the weights' true maximum gives wrong results."""
     impl: str = "auto"
     sharding: Any = None
+    expert_scale_max: int | None = None
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ConfigError(f"impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
+        m = self.expert_scale_max
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= 255):
+            raise ConfigError(f"expert_scale_max must be None or a scale byte 0..255, got {m!r}")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,9 @@ def test_orbax_tree_equals_release_tree(tiny_ckpt, converted, text_only):
     assert cfg_hf == cfg_ob
     assert_same_tree(hf, ob)
     assert (ob.vision is None) == text_only
+    ex = hf.text.moe.experts  # both loaders give the experts' largest scale byte to the kernels' decode choice
+    want = max(int(np.asarray(a).max()) for a in (ex.w1_scale, ex.w3_scale, ex.w2_scale))
+    assert cfg_ob.runtime.expert_scale_max == want and 100 < want <= 255
 
 
 def test_output_layout_and_tokenizer(tiny_ckpt, converted):

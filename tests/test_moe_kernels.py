@@ -9,6 +9,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from kimik3_jax import mxfp4
+from kimik3_jax.config import Runtime
+from kimik3_jax.errors import ConfigError
 from kimik3_jax.ops import impl
 from kimik3_jax.ops.moe import latent_moe, routed_experts
 from kimik3_jax.params import ExpertParams, init_params
@@ -291,14 +293,37 @@ def bf16_moe_layer():
     return cfg, layer, x
 
 
-def test_latent_moe_through_the_switch():
-    """cfg.runtime.impl="pallas" runs the kernel (interpret mode here) in the whole latent MoE layer."""
+@pytest.mark.parametrize("scale_max", [None, "true"], ids=["unknown-scales", "known-scales"])
+def test_latent_moe_through_the_switch(scale_max, monkeypatch):
+    """cfg.runtime.impl="pallas" runs the kernel (interpret mode here) in the whole latent MoE layer, with
+    the experts' largest scale byte unknown or known (`Runtime.expert_scale_max`: the kernels' decode
+    choice, the same result)."""
     cfg, layer, x = bf16_moe_layer()
+    if scale_max == "true":
+        ex = layer.experts
+        scale_max = max(int(np.asarray(a).max()) for a in (ex.w1_scale, ex.w3_scale, ex.w2_scale))
+        assert scale_max <= dec.QUICK_MAX_SCALE  # so the kernels run asm1-unchecked's stand-in
+    cfg = cfg.with_runtime(expert_scale_max=scale_max)
+    asked = []  # the decoders the kernels ask for
+    real = kern_mod._decoders
+    monkeypatch.setattr(kern_mod, "_decoders", lambda what, name, *a, **kw: (asked.append(name), real(what, name, *a, **kw))[1])
     ref = latent_moe(x, layer, cfg.with_runtime(impl="xla"))
     got = latent_moe(x, layer, cfg.with_runtime(impl="pallas"))
+    assert set(asked) == {"asm1" if scale_max is None else "asm1-unchecked"}
     assert got.dtype == ref.dtype == jnp.bfloat16
     err = np.abs(np.asarray(got, np.float32) - np.asarray(ref, np.float32)).max()
     assert err <= 1e-2 * np.abs(np.asarray(ref, np.float32)).max()
+
+
+def test_known_scale_bytes_pick_the_unchecked_quick_decode():
+    assert kern.decoder_for("asm1", 128) == "asm1-unchecked"
+    assert kern.decoder_for("asm1", 129) == "asm1"
+    assert kern.decoder_for("asm1", None) == "asm1"
+    assert kern.decoder_for("exact", 120) == "exact"
+    with pytest.raises(ConfigError, match="expert_scale_max"):
+        Runtime(expert_scale_max=256)
+    with pytest.raises(ConfigError, match="expert_scale_max"):
+        Runtime(expert_scale_max=True)
 
 
 def test_unsupported_calls_are_refused():

@@ -6,6 +6,9 @@ A directory with the converted manifest (`kimik3 convert`, see docs/convert.md) 
 straight into `shardings`; anything else is read as the release layout by `load_params`.
 Both give the same tree, bit for bit (A_log zero-padded to head_dim, experts packed as released, or
 `DenseExpertParams` for a checkpoint converted with `--dequantize bf16`).
+
+The returned config's `runtime.expert_scale_max` holds the largest scale byte of the packed experts (one
+reduction per scale array, where the arrays live), which lets the MoE kernels pick their decode.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from kimik3_jax.config import ModelConfig
 from kimik3_jax.errors import CheckpointError
-from kimik3_jax.params import Params, cast_params
+from kimik3_jax.params import ExpertParams, Params, cast_params
 
 
 def is_orbax_checkpoint(directory: str | Path) -> bool:
@@ -31,7 +34,19 @@ def load_checkpoint(directory: str | Path, *, text_only: bool = True, shardings:
     device), one `jax.sharding.Sharding` for every leaf, or a tree of them matching the parameters.
     `dtype`: the compute dtype (`cast_params`; None or bfloat16 keep the stored dtypes)."""
     cfg, params = _load(Path(directory), text_only, shardings)
+    cfg = cfg.with_runtime(expert_scale_max=expert_scale_max(params))
     return cfg, params if dtype is None else cast_params(params, dtype)
+
+
+def expert_scale_max(params: Params) -> int | None:
+    """The largest E8M0 scale byte over every packed routed expert of `params`, or None where there are
+    none (dense or dequantised experts)."""
+    import jax
+    import jax.numpy as jnp
+
+    nodes = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, ExpertParams))
+    scales = [a for e in nodes if isinstance(e, ExpertParams) for a in (e.w1_scale, e.w3_scale, e.w2_scale)]
+    return max(int(jnp.max(a)) for a in scales) if scales else None
 
 
 def _load(directory: Path, text_only: bool, shardings: Any) -> tuple[ModelConfig, Params]:

@@ -58,7 +58,7 @@ def _select(experts, ids):
 
 
 def routed_experts(xl: jax.Array, idx: jax.Array, weights: jax.Array, experts, beta: float,
-                   linear_beta: float, strategy: str = "auto") -> jax.Array:
+                   linear_beta: float, strategy: str = "auto", *, scale_max: int | None = None) -> jax.Array:
     """sum_e w_e SiTU(xl W1_e^T, xl W3_e^T) W2_e^T over each token's chosen experts, in the
     accumulation dtype. xl [N, L] (activation dtype), idx/weights [N, k] -> [N, L]. Dropless either way:
 
@@ -68,7 +68,10 @@ def routed_experts(xl: jax.Array, idx: jax.Array, weights: jax.Array, experts, b
     - "auto": "gathered" when there are fewer pairs than experts, else "sorted".
     Each token's k contributions are combined in its top-k order (a gather, never a scatter-add, whose
     GPU atomics would sum in a run-dependent order). A pair whose id is outside [0, E) contributes
-    nothing when its weight is 0: expert parallelism hands over the pairs owned elsewhere that way."""
+    nothing when its weight is 0: expert parallelism hands over the pairs owned elsewhere that way.
+    `scale_max` (`Runtime.expert_scale_max`) is for the kernels' choice of decode; the result does not
+    depend on it, and this function ignores it."""
+    del scale_max
     act, acc = xl.dtype, acc_dtype(xl.dtype)
     n, k = idx.shape
     num_experts = jax.tree_util.tree_leaves(experts)[0].shape[0]  # packed or dense: [E, ...] either way
@@ -101,7 +104,7 @@ def latent_moe(x: jax.Array, p, cfg: ModelConfig) -> jax.Array:
     idx, w = route(x, p.router, p.router_bias, m.top_k, m.renormalize, m.routed_scaling_factor)
     xl = linear(x, p.latent_down)
     routed = partial(impl.dispatch, "routed_experts", cfg.runtime.impl, routed_experts, beta=cfg.situ_beta,
-                     linear_beta=cfg.situ_linear_beta)
+                     linear_beta=cfg.situ_linear_beta, scale_max=cfg.runtime.expert_scale_max)
     y = expert_parallel(cfg, routed, xl, idx, w, p.experts).astype(x.dtype)
     if m.latent_use_norm:
         y = rms_norm(y, p.latent_norm, cfg.rms_norm_eps)
