@@ -249,6 +249,9 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="stop after the tile sweep (an exploration run)")
+    ap.add_argument("--decode", default=kern.DEFAULT_DECODE,
+                    help="the rows' decode (a DECODERS name): asm1-unchecked is what the model runs when its "
+                         "experts' scale bytes are known to be <= 128, as the generated ones are (119..120)")
     ap.add_argument("--candidates", type=json.loads, default=None,
                     help='the sweep\'s candidates in place of the built-in ones, each after its regime\'s default: '
                          'a JSON list of {"regime": "decode" or "prefill", "config": {"bm": .., "gate_up": {Tiles '
@@ -262,7 +265,8 @@ def main():
         E, K_TOP, L, F = 16, 4, 128, 64
     tokens = [int(t) for t in args.tokens.split(",")]
     late = lambda frac=1.0: time.perf_counter() - T0 > frac * args.budget_s
-    RESULTS["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0]), "date": time.strftime("%F")}
+    RESULTS["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0]), "date": time.strftime("%F"),
+                       "decode": args.decode}
 
     if not args.no_torch:
         try:
@@ -334,7 +338,7 @@ def main():
         row["config"] = repr(cfg)
         row_cfg[n] = kern.fit(cfg, L, F)
         try:
-            r = measure_kernels(ex, n, cfg)
+            r = measure_kernels(ex, n, cfg, args.decode)
             row.update(r)
             row["gate_up_tb_s"] = nb["gate_up"] / r["gate_up_s"] / 1e12
             row["down_tb_s"] = nb["down"] / r["down_s"] / 1e12
@@ -355,7 +359,7 @@ def main():
                 if "whole_s" in row:
                     row[variant + "_speedup"] = {k: row[k] / r[k] for k in ("gate_up_s", "down_s", "whole_s")}
                 if variant == "exact":  # same weights, summed in the order the compiled kernels choose
-                    record_check(n, "decode exact (whole path)", kernel_fn(row_cfg[n])(xl, idx, w, ex),
+                    record_check(n, "decode exact (whole path)", kernel_fn(row_cfg[n], args.decode)(xl, idx, w, ex),
                                  kernel_fn(row_cfg[n], "exact")(xl, idx, w, ex))
             except Exception as exc:  # noqa: BLE001
                 row[variant + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -377,7 +381,7 @@ def main():
         ein = make_capacity_einsum(cap)
         got = None
         try:
-            got = kernel_fn(row_cfg[n])(xl, idx, w, ex)
+            got = kernel_fn(row_cfg[n], args.decode)(xl, idx, w, ex)
             if n <= 16:  # needs no dense weights: runs even when the einsum does not
                 want = jax.jit(lambda a, b, c, e: routed_experts(a, b, c, e, BETA, LINEAR_BETA, "gathered"))(
                     xl, idx, w, ex)
@@ -414,7 +418,7 @@ def main():
             w = jnp.full((n, K_TOP), 0.05, jnp.float32)
             xl = jax.random.normal(k2, (n, L), jnp.float32).astype(jnp.bfloat16)
             rs = timeit(jax.jit(ragged), xl, idx, w, *sub)
-            ks = timeit(kernel_fn(), xl, idx, w, sub_ex)
+            ks = timeit(kernel_fn(None, args.decode), xl, idx, w, sub_ex)
             fl = sum(kern.flops(n * K_TOP, L, F).values())
             RESULTS["ragged_64x256"] = {"ragged_s": rs, "kernel_s": ks, "ragged_tflops": fl / rs / 1e12,
                                         "kernel_tflops": fl / ks / 1e12}
