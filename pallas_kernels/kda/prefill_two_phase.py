@@ -62,8 +62,8 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # phase 1 at 4 warps with early stores (the default since 2026-12-03): 2.196 ms against 2.344 at 2 warps (the
 # earlier default) and 2.470 at 2 warps with early stores at (1, 8192, 96); 2.005 against 2.018 at
 # (16, 4096, 12); H200, same runs (docs/benchmarks.md). Offline, early stores take phase 1 at 4 warps from 168
-# to 128 registers (16 warps per SM). At 2 warps without early stores, 4 warps lost (2.21 against 2.67 ms,
-# 2026-12-01).
+# to 128 registers (16 warps per SM). Without early stores (and with the substitution inverse), 4 warps lost
+# to 2: 2.67 against 2.21 ms (2026-12-01).
 # phase1_inverse: "series" (the default: the whole chunk's (I + A)^-1 as (I - A)(I + A^2)...: 2 log2(C) - 2
 # matmuls, TF32 on the GPU, as the one-phase kernel does; 2.277 against 2.641 ms with "substitution" at
 # (1, 8192, 96), the same errors against the fp32 reference, H200 2026-12-02) or "substitution" (exact fp32,
