@@ -2,7 +2,7 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 123456 (default 1234), e.g. "13", "25", "4"
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 12345678 (default 1234), e.g. "13", "25", "4"
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
@@ -47,5 +47,19 @@ case $STEPS in *5*)  # the prefill sweep around the default, phase 1's chunks pe
 esac
 case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults), with checks
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
+esac
+case $STEPS in *7*)  # the eighth session's open candidates (docs/benchmarks.md, "Still to run"), no peers
+  step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
+    --prefill-shapes ${SHAPES_7:-1x8192x96,8x2048x12} --json "$OUT/kda_candidates.json" \
+    --tunings '[{}, {"block_v": 32}, {"wq_interleaved": true}]' ;;
+esac
+case $STEPS in *8*)  # MoE prefill with swap on the new tiles, and the unchecked decode beside it
+  step 8-moe-candidates ${LIMIT_8:-200} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only \
+    --budget-s 180 --candidates '[{"regime": "prefill", "decode": "asm1-unchecked"},
+      {"regime": "prefill", "decode": "asm1-unchecked", "config": {"bm": 128,
+        "gate_up": {"bn": 64, "bk": 64, "num_warps": 4, "swap": true},
+        "down": {"bn": 128, "bk": 64, "num_warps": 8, "swap": true}}},
+      {"regime": "prefill", "config": {"bm": 128, "gate_up": {"bn": 64, "bk": 64, "num_warps": 4, "swap": true},
+        "down": {"bn": 128, "bk": 64, "num_warps": 8}}}]' ;;
 esac
 tail -n 25 "$OUT"/*.txt
