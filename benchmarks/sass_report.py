@@ -8,9 +8,12 @@ the project's venv (jax) and a Triton wheel do not share one environment:
     #    run ptxas -v and cuobjdump (both ship in the wheel), print one row per kernel
     TRITON_DEFAULT_FP_FUSION=1 /tmp/tvenv/bin/python benchmarks/sass_report.py compile /tmp/ttir
 
-The wheel's Triton is not the one inside jaxlib's GPU plugin, so the numbers are a proxy. For the prefill's
-two kernels at their defaults it reported 255 and 244 registers, the same as Nsight Compute on the H200
-(docs/benchmarks.md, 2026-12-02). "blocks/SM" is the register limit alone: 64 K registers over
+The wheel's Triton is not the one inside jaxlib's GPU plugin, so the numbers are a proxy. Step 2 first runs
+Triton's TTIR passes on the dumped IR (canonicalize, combine ops, ...), as XLA's Triton pipeline does before
+lowering to TTGIR (`MakeTTIR` in xla/backends/gpu/codegen/triton/compilation_pipeline_cuda.cc); compiling an
+IR file directly would skip them (`--no-ttir-passes` does, for comparison). They matter: the combine pass
+folds `dot + x` into the MMA's accumulator, which took the transposed prefill phase 2 from 232 to 166
+registers (2026-12-03). "blocks/SM" is the register limit alone: 64 K registers over
 (registers per thread, rounded up to 8) x 32 x warps, at most 64 warps per SM.
 """
 
@@ -99,8 +102,26 @@ def _lowered_text(op, shape, tuning, checkpoint, jax, jnp):
     return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def compile_all(src: Path) -> None:
-    """Compile every .ttir under src for sm_90a with the installed Triton; one row per kernel."""
+def _ttir_passes(ttir: Path, target, warps: int) -> Path:
+    """ttir after Triton's own TTIR passes (`make_ttir`), written beside it as .opt.ttir."""
+    from triton._C.libtriton import ir
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    backend = CUDABackend(target)
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    module = ir.parse_mlir_module(str(ttir), ctx)
+    module.context = ctx
+    out = ttir.with_suffix(".opt.ttir")
+    out.write_text(str(backend.make_ttir(module, {}, backend.parse_options(dict(num_warps=warps)),
+                                         target.arch)))
+    return out
+
+
+def compile_all(src: Path, ttir_passes: bool = True) -> None:
+    """Compile every .ttir under src for sm_90a with the installed Triton (after its TTIR passes unless
+    ttir_passes is False); one row per kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -110,10 +131,11 @@ def compile_all(src: Path) -> None:
     print("| kernel | tuning | warps | registers | spill bytes (st / ld) | blocks/SM by registers | "
           + " | ".join(SASS_OPS) + " |")
     print("| --- " * (6 + len(SASS_OPS)) + "|")
-    for ttir in sorted(src.glob("*.ttir")):
+    target = GPUTarget("cuda", 90, 32)
+    for ttir in sorted(p for p in src.glob("*.ttir") if not p.name.endswith(".opt.ttir")):
         meta = json.loads(ttir.with_suffix(".json").read_text())
         warps = meta["num_warps"]
-        kernel = triton.compile(str(ttir), target=GPUTarget("cuda", 90, 32),
+        kernel = triton.compile(str(_ttir_passes(ttir, target, warps) if ttir_passes else ttir), target=target,
                                 options=dict(num_warps=warps, num_stages=meta["num_stages"]))
         ptx, cubin = ttir.with_suffix(".ptx"), ttir.with_suffix(".cubin")
         ptx.write_text(kernel.asm["ptx"])
@@ -141,6 +163,7 @@ def main(argv=None):
     d.add_argument("--checkpoint", type=int, default=0, help="prefill: states every this many tokens")
     c = sub.add_parser("compile", help="step 2, in a venv with triton")
     c.add_argument("src", type=Path)
+    c.add_argument("--no-ttir-passes", action="store_true", help="compile the dumped IR as it is")
     args = ap.parse_args(argv)
     if args.step == "dump":
         shape = tuple(int(x) for x in args.shape.split("x"))
@@ -150,7 +173,7 @@ def main(argv=None):
             shape = (shape[0], 1, 1)
         dump(args.out, args.tunings, args.op, shape, args.checkpoint)
     else:
-        compile_all(args.src)
+        compile_all(args.src, not args.no_ttir_passes)
 
 
 if __name__ == "__main__":
