@@ -17,8 +17,8 @@ from pallas_kernels.moe.kernels import DEFAULT_DECODE, TileConfig, Tiles, check_
 # From H200 sweeps at K3's widths (latent 3584, expert 3072; docs/benchmarks.md). Decode: with the asm decode,
 # bk 256 and 3 stages beat bk 128 / 4 stages by 9% (gate+up) and 8% (down) at 16 tokens, 9% / 18% at 512
 # (tests/gpu/probe_streaming.py part T, 2026-12-02). Prefill gate+up: bn 64 at 4 warps, 17.5 ms against
-# 19.7 ms with bn 128 at 8 warps (255 registers and spills, two [128, 128] fp32 accumulators) at 4096 tokens,
-# the same bits (benchmarks/moe.py --candidates, 2026-12-03).
+# 19.7 ms with bn 128 at 8 warps at 4096 tokens, the same bits (benchmarks/moe.py --candidates, 2026-12-03);
+# offline both use 255 registers, 2 blocks of 4 warps per SM against 1 of 8.
 DECODE = TileConfig(bm=16, gate_up=Tiles(bn=64, bk=256, num_warps=4, num_stages=3),
                     down=Tiles(bn=64, bk=256, num_warps=4, num_stages=3))
 PREFILL = TileConfig(bm=128, gate_up=Tiles(bn=64, bk=64, num_warps=4, num_stages=3),
