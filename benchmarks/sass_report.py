@@ -13,7 +13,7 @@ Triton's TTIR passes on the dumped IR (canonicalize, combine ops, ...), as XLA's
 lowering to TTGIR (`MakeTTIR` in xla/backends/gpu/codegen/triton/compilation_pipeline_cuda.cc); compiling an
 IR file directly would skip them (`--no-ttir-passes` does, for comparison). They matter: the combine pass
 folds `dot + x` into the MMA's accumulator, which took the transposed prefill phase 2 from 232 to 166
-registers (2026-12-03). "blocks/SM" is the register limit alone: 64 K registers over
+registers (the H200 measured 165, 2026-12-03). "blocks/SM" is the register limit alone: 64 K registers over
 (registers per thread, rounded up to 8) x 32 x warps, at most 64 warps per SM.
 """
 
