@@ -182,6 +182,7 @@ def test_dequantize_bf16(tiny_ckpt, tmp_path, capsys):
     _, packed = load_checkpoint(tiny_ckpt, text_only=False)
     _, dense = load_checkpoint(out, text_only=False)
     assert isinstance(dense.text.moe.experts, DenseExpertParams)
+    assert load_checkpoint(out)[0].runtime.expert_scale_max is None  # no scale bytes: the kernels keep asm1
     ex, dx = packed.text.moe.experts, dense.text.moe.experts
     for w in ("w1", "w3", "w2"):
         want = dequantize_np(np.asarray(getattr(ex, f"{w}_packed")), np.asarray(getattr(ex, f"{w}_scale")),

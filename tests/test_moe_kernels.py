@@ -319,7 +319,9 @@ def test_known_scale_bytes_pick_the_unchecked_quick_decode():
     assert kern.decoder_for("asm1", 128) == "asm1-unchecked"
     assert kern.decoder_for("asm1", 129) == "asm1"
     assert kern.decoder_for("asm1", None) == "asm1"
-    assert kern.decoder_for("exact", 120) == "exact"
+    assert kern.decoder_for("exact", 120) == "exact" and kern.decoder_for("asm", 120) == "asm"
+    assert kern.decoder_for("fast1", 128) == "fast1-unchecked"
+    assert dec.DECODERS["asm1-unchecked"] is dec.DECODERS["asm1"].quick
     with pytest.raises(ConfigError, match="expert_scale_max"):
         Runtime(expert_scale_max=256)
     with pytest.raises(ConfigError, match="expert_scale_max"):

@@ -39,14 +39,14 @@ def load_checkpoint(directory: str | Path, *, text_only: bool = True, shardings:
 
 
 def expert_scale_max(params: Params) -> int | None:
-    """The largest E8M0 scale byte over every packed routed expert of `params`, or None where there are
-    none (dense or dequantised experts)."""
-    import jax
+    """The largest E8M0 scale byte of the packed routed experts (stacked over the MoE layers: three
+    reductions), or None where there are none (dequantised experts, or no MoE layer)."""
     import jax.numpy as jnp
 
-    nodes = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, ExpertParams))
-    scales = [a for e in nodes if isinstance(e, ExpertParams) for a in (e.w1_scale, e.w3_scale, e.w2_scale)]
-    return max(int(jnp.max(a)) for a in scales) if scales else None
+    ex = params.text.moe.experts
+    if not isinstance(ex, ExpertParams) or not ex.w1_scale.size:
+        return None
+    return max(int(jnp.max(a)) for a in (ex.w1_scale, ex.w3_scale, ex.w2_scale))
 
 
 def _load(directory: Path, text_only: bool, shardings: Any) -> tuple[ModelConfig, Params]:

@@ -108,12 +108,10 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
     same values either way. wq_interleaved: w and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one
     [2C, K] workspace."""
     cb, h = pl.program_id(0), pl.program_id(1)
-    refs = dict(zip(workspace_names(wq_interleaved), out_refs))
-    if wq_interleaved:  # (ref, rows) of w and q_dec
-        rows_of = {"w": (refs["wq"], pl.ds(0, chunk, stride=2)), "qd": (refs["wq"], pl.ds(1, chunk, stride=2))}
-    else:
-        rows_of = {name: (refs[name], slice(None)) for name in ("w", "qd")}
-    rows_of.update({name: (refs[name], slice(None)) for name in ("u0", "kt", "m", "dec")})
+    rows_of = {name: (ref, slice(None)) for name, ref in zip(workspace_names(wq_interleaved), out_refs)}
+    if wq_interleaved:  # w and q_dec: the even and the odd rows of wq
+        wq = rows_of["wq"][0]
+        rows_of.update(w=(wq, pl.ds(0, chunk, stride=2)), qd=(wq, pl.ds(1, chunk, stride=2)))
 
     def one(c):
         f32, bf16 = jnp.float32, jnp.bfloat16

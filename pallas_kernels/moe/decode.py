@@ -251,11 +251,11 @@ DECODERS = {"exact": Decoder(decode, decode_halves), "fast": Decoder(decode_fast
             "asm1": Decoder(decode_asm, decode_asm_halves, Decoder(decode_asm1, decode_asm1_halves), QUICK_MAX_SCALE),
             "fast1": Decoder(decode_fast, decode_fast_halves, Decoder(_fast_capped, _fast_capped_halves),
                              QUICK_MAX_SCALE),
-            "reinterpret": Decoder(reinterpret, reinterpret_halves),
-            # the quick decoders alone, no per-program choice: for weights whose scale bytes are all
-            # <= QUICK_MAX_SCALE (the caller's promise; wrong values past it), and a kernel without asm1's branch
-            "asm1-unchecked": Decoder(decode_asm1, decode_asm1_halves),
-            "fast1-unchecked": Decoder(_fast_capped, _fast_capped_halves)}
+            "reinterpret": Decoder(reinterpret, reinterpret_halves)}
+# A decoder with a quick one, and the name of its quick decoder alone (no per-program choice): for weights
+# whose scale bytes are all <= its quick_max (the caller's promise; wrong values past it).
+UNCHECKED = {"asm1": "asm1-unchecked", "fast1": "fast1-unchecked"}
+DECODERS.update({UNCHECKED[name]: DECODERS[name].quick for name in UNCHECKED})
 # Decoders that only compile for the GPU, and the decoder with the same bits that stands in for them in the
 # interpreter (and for tiles too small for their packing).
 GPU_ONLY = {"asm": "fast", "asm1": "fast1", "asm1-unchecked": "fast1-unchecked"}

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3_jax.ops.impl import Unsupported, register
+from pallas_kernels.moe import decode as dec
 from pallas_kernels.moe import dispatch as dsp
-from pallas_kernels.moe.decode import QUICK_MAX_SCALE
 from pallas_kernels.moe.kernels import DEFAULT_DECODE, TileConfig, Tiles, check_tiles, down, gate_up
 
 # From H200 sweeps at K3's widths (latent 3584, expert 3072; docs/benchmarks.md). Decode: with the asm decode,
@@ -48,10 +48,11 @@ def _packed(experts) -> bool:
 
 
 def decoder_for(decode: str, scale_max: int | None) -> str:
-    """The decode a call runs: asm1 becomes "asm1-unchecked" (no per-program check of the scale bytes)
-    when the weights' largest scale byte is known to be within its quick decoder's range."""
-    if decode == "asm1" and scale_max is not None and scale_max <= QUICK_MAX_SCALE:
-        return "asm1-unchecked"
+    """The decode a call runs: a decoder with a quick one (asm1, fast1) becomes its quick decoder alone
+    (`decode.UNCHECKED`: no per-program check of the scale bytes) when the weights' largest scale byte is
+    known to be within the quick decoder's range."""
+    if decode in dec.UNCHECKED and scale_max is not None and scale_max <= dec.DECODERS[decode].quick_max:
+        return dec.UNCHECKED[decode]
     return decode
 
 
