@@ -80,7 +80,13 @@ def run_prefill(x, **kw):
                                             (37, "random", dict(TWO_SMALL, phase1_early_stores=True)),
                                             (70, "bound", dict(TWO_64, phase1_early_stores=True)),
                                             (45, "random", dict(TWO_SMALL, wq_interleaved=True)),
-                                            (70, "bound", dict(TWO_64, wq_interleaved=True, phase1_early_stores=True))])
+                                            (70, "bound", dict(TWO_64, wq_interleaved=True, phase1_early_stores=True)),
+                                            (37, "random", dict(TWO_SMALL, phase2_prefetch=["u0", "dec"])),
+                                            (70, "bound", dict(TWO_64, phase2_prefetch=["u0", "dec", "m", "kt"])),
+                                            (45, "bound", dict(TWO_SMALL, wq_interleaved=True,
+                                                               phase2_prefetch=["wq", "u0", "kt", "m", "dec"])),
+                                            (50, "random", dict(TWO_SMALL, phase2_transposed=False,
+                                                                phase2_prefetch=["w", "u0", "qd"]))])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
     rng = np.random.default_rng([601, t])
     x = raw_inputs(rng, 2, t, gates)
@@ -111,8 +117,10 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
 
 
 @pytest.mark.parametrize("tuning", [pytest.param(SMALL, marks=pytest.mark.slow), TWO_SMALL,
-                                    dict(TWO_SMALL, phase1_chunks=4), dict(TWO_SMALL, wq_interleaved=True)],
-                         ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program", "two-phase-wq-interleaved"])
+                                    dict(TWO_SMALL, phase1_chunks=4), dict(TWO_SMALL, wq_interleaved=True),
+                                    dict(TWO_SMALL, phase2_prefetch=["u0", "dec", "w"])],
+                         ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program", "two-phase-wq-interleaved",
+                              "two-phase-prefetch"])
 def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     lens = [37, 1, 70, 16, 0, 33]
     cp = 16
@@ -215,6 +223,12 @@ def test_two_phase_packed_chunks_and_limits():
         k.supports(*args, tuning=dict(phases=2, phase1_inverse="lu"), **kw)
     with pytest.raises(impl_mod.Unsupported, match="wq_interleaved needs phase2_transposed"):
         k.supports(*args, tuning=dict(phases=2, phase2_transposed=False, wq_interleaved=True), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="phase2_prefetch"):
+        k.supports(*args, tuning=dict(phases=2, phase2_prefetch=["w", "q"]), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="phase2_prefetch"):  # w is one workspace with q_dec here
+        k.supports(*args, tuning=dict(phases=2, wq_interleaved=True, phase2_prefetch=["w"]), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="phase2_prefetch"):  # a name, not a list of names
+        k.supports(*args, tuning=dict(phases=2, phase2_prefetch="u0"), **kw)
 
 
 def test_default_falls_back_to_one_phase_past_the_workspace_cap(monkeypatch):

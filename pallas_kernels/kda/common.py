@@ -89,18 +89,31 @@ def chunk_state_step_t(st, u0t, products, m, k_tail, decay_row, o_ref, *, t0, h,
 
 
 def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos, chunk: int, cp_every: int,
-                  transposed: bool = False):
+                  transposed: bool = False, prefetch=None):
     """A program's walk over sequence n's chunks: its state tile from s0, `step(j, s) -> s'` per chunk j,
     the checkpoint after each chunk when asked (cp_refs holds the checkpoint output, or is empty), and the
-    final state into sf. transposed: `step` carries the tile as S^T [BV, K] (the refs hold [K, BV])."""
+    final state into sf. transposed: `step` carries the tile as S^T [BV, K] (the refs hold [K, BV]).
+    prefetch: `prefetch(j)` loads what chunk j needs from memory (any pytree of tiles); the loop then issues
+    chunk j + 1's loads before chunk j's products, carries them, and calls `step(j, s, loaded)`, so that the
+    serial chain does not wait on those loads (j + 1 may be one past the sequence's last chunk: `prefetch`
+    must keep its index in bounds; the tiles it loads there are never used)."""
     out = (lambda s: s.T) if transposed else (lambda s: s)
 
-    def body(j, s):
-        s = step(j, s)
+    def after(j, s):
         if cp_every:
             store_checkpoint(cp_refs[0], cpo_ref, out(s), n=n, h=h, vt=vt, done=j + 1, every=cp_every,
                              chunk=chunk, span=eos - bos)
         return s
 
-    s = jax.lax.fori_loop(0, cdiv(eos - bos, chunk), body, out(s0_ref[n, h, :, vt].astype(jnp.float32)))
+    s0 = out(s0_ref[n, h, :, vt].astype(jnp.float32))
+    count = cdiv(eos - bos, chunk)
+    if prefetch is None:
+        s = jax.lax.fori_loop(0, count, lambda j, s: after(j, step(j, s)), s0)
+    else:
+        def body(j, carry):
+            s, loaded = carry
+            ahead = prefetch(j + 1)
+            return after(j, step(j, s, loaded)), ahead
+
+        s, _ = jax.lax.fori_loop(0, count, body, (s0, prefetch(0)))
     sf_ref[n, h, :, vt] = out(s).astype(sf_ref.dtype)

@@ -82,7 +82,8 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # The same products, each summed in the same order. Off: on the H200 it gained 4% at (1, 8192, 96) and lost
 # 25% at (16, 4096, 12) (2.254 / 2.344 and 2.532 / 2.018 ms, 2026-12-03).
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
-                          phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False)
+                          phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
+                          phase2_prefetch=())
 
 
 def sub_block(chunk: int) -> int:
@@ -212,7 +213,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
 
 
 def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, transposed,
-                   wq_interleaved):
+                   wq_interleaved, prefetch):
     f32 = jnp.float32
     names = workspace_names(wq_interleaved)
     work = dict(zip(names, refs))
@@ -220,26 +221,32 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_
     pid, iv = pl.program_id(0), pl.program_id(1)
     n, h = pid // heads, pid % heads
     bos, eos, base = cu_ref[n], cu_ref[n + 1], choff_ref[n]
+    last = work["dec"].shape[0] - 1
     vt = pl.ds(iv * block_v, block_v)
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
 
-    def step(j, s):
-        ci = base + j
+    def load(name, j, ahead=False):
+        ci = jnp.minimum(base + j, last) if ahead else base + j  # ahead: j may be one past the sequence
+        return work[name][ci, h, :, vt] if name == "u0" else work[name][ci, h]
+
+    def step(j, s, loaded=None):
+        tile = lambda name: loaded[name] if name in (loaded or {}) else load(name, j)  # noqa: E731
         t0 = bos + j * chunk
-        u0 = work["u0"][ci, h, :, vt].astype(f32)
-        tail = (work["m"][ci, h], work["kt"][ci, h], work["dec"][ci, h], o_ref)
+        u0 = tile("u0").astype(f32)
+        tail = (tile("m"), tile("kt"), tile("dec"), o_ref)
         kw = dict(t0=t0, h=h, vt=vt, rows_in=(t0 + rows) < eos)
         if wq_interleaved:  # S^T [w; q_dec]^T, one MMA [BV, 2C], its columns alternating w, q_dec
-            wq = work["wq"][ci, h]
+            wq = tile("wq")
             products = lambda s16: jnp.unstack(dot_nt(s16, wq).reshape(block_v, chunk, 2), axis=-1)  # noqa: E731
             return chunk_state_step_t(s, u0.T, products, *tail, **kw)
-        w, qd = work["w"][ci, h], work["qd"][ci, h]
+        w, qd = tile("w"), tile("qd")
         if transposed:
             return chunk_state_step_t(s, u0.T, lambda s16: (dot_nt(s16, w), dot_nt(s16, qd)), *tail, **kw)
         return chunk_state_step(s, u0, w, qd, *tail, **kw)
 
+    ahead = (lambda j: {name: load(name, j, ahead=True) for name in prefetch}) if prefetch else None
     serial_chunks(step, s0_ref, sf_ref, cp_ref, cpo_ref, n=n, h=h, vt=vt, bos=bos, eos=eos, chunk=chunk,
-                  cp_every=cp_every, transposed=transposed)
+                  cp_every=cp_every, transposed=transposed, prefetch=ahead)
 
 
 def chunk_table(cu, ends, chunk, n_chunks):
@@ -297,7 +304,8 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     nseq = cu.shape[0] - 1
     return pl.pallas_call(
         functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every,
-                          transposed=tuning["phase2_transposed"], wq_interleaved=tuning["wq_interleaved"]),
+                          transposed=tuning["phase2_transposed"], wq_interleaved=tuning["wq_interleaved"],
+                          prefetch=tuple(tuning["phase2_prefetch"])),
         out_shape=out_shape, grid=(nseq * heads, dv // block_v), interpret=interpret,
         name="kda_prefill_phase2",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
@@ -305,8 +313,12 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
 
 
 def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series", phase2_transposed=True,
-          wq_interleaved=False):
+          wq_interleaved=False, phase2_prefetch=()):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
+    unknown = set(phase2_prefetch) - set(workspace_names(wq_interleaved))
+    if isinstance(phase2_prefetch, str) or unknown:
+        raise unsupported(f"kda_prefill two-phase kernel: phase2_prefetch = {phase2_prefetch!r} is not a list of "
+                          f"the workspaces {workspace_names(wq_interleaved)}")
     if wq_interleaved and not phase2_transposed:
         raise unsupported("kda_prefill two-phase kernel: wq_interleaved needs phase2_transposed")
     if phase1_inverse not in ("substitution", "series"):
