@@ -231,6 +231,23 @@ def test_two_phase_packed_chunks_and_limits():
         k.supports(*args, tuning=dict(phases=2, phase2_prefetch="u0"), **kw)
 
 
+def test_phase2_prefetch_auto_loads_ahead_only_when_the_grid_leaves_room(monkeypatch):
+    """"auto" loads every workspace one chunk ahead when the phase-2 grid has at most 2 programs per SM,
+    none past that (the carried tiles cost registers); a list is taken as given."""
+    from pallas_kernels.kda import prefill_two_phase as tp
+
+    class Device:
+        core_count = 10
+
+    monkeypatch.setattr(tp.jax, "devices", lambda: [Device()])
+    assert tp.resolve_prefetch("auto", 20, False) == tp.workspace_names(False)
+    assert tp.resolve_prefetch("auto", 20, True) == ("wq", "u0", "kt", "m", "dec")
+    assert tp.resolve_prefetch("auto", 21, False) == ()
+    assert tp.resolve_prefetch(["u0", "dec"], 1, False) == ("u0", "dec")
+    Device.core_count = None  # not reported (a CPU): the H200's 132 SMs
+    assert tp.resolve_prefetch("auto", 264, False) and not tp.resolve_prefetch("auto", 265, False)
+
+
 def test_default_falls_back_to_one_phase_past_the_workspace_cap(monkeypatch):
     """The default runs two phases; when their workspaces would pass MAX_WORKSPACE_BYTES it runs the
     one-phase kernel with the same chunk and tiles (a caller's explicit `phases` is kept), and the results

@@ -81,9 +81,17 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # serial chain per chunk (the offline build's SASS: 8 HGMMA of 64x32 in place of two groups of 8 of 64x16).
 # The same products, each summed in the same order. Off: on the H200 it gained 4% at (1, 8192, 96) and lost
 # 25% at (16, 4096, 12) (2.254 / 2.344 and 2.532 / 2.018 ms, 2026-12-03).
+# phase2_prefetch: the workspaces phase 2 loads one chunk ahead (`common.serial_chunks`), so that its serial
+# chain does not wait on them; "auto" loads all of them ahead when the phase-2 grid has at most
+# PREFETCH_PROGRAMS_PER_SM programs per SM (the carried tiles cost registers: 3 blocks per SM no longer
+# fit), and none otherwise. H200, device time, same run (2026-12-03): (1, 8192, 96), 192 programs: 1.620 ms
+# with all ahead, 1.717 with u0 and e^(G_C) ahead, 1.931 with none; (16, 4096, 12), 384 programs: 1.449 with
+# none, 1.677 with all, 1.733 with u0 and e^(G_C).
+PREFETCH_PROGRAMS_PER_SM = 2
+H200_SMS = 132  # the SM count when the device does not report one (the interpreter on a CPU)
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
-                          phase2_prefetch=())
+                          phase2_prefetch="auto")
 
 
 def sub_block(chunk: int) -> int:
@@ -249,6 +257,15 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_
                   cp_every=cp_every, transposed=transposed, prefetch=ahead)
 
 
+def resolve_prefetch(prefetch, programs: int, wq_interleaved: bool) -> tuple[str, ...]:
+    """The workspaces phase 2 loads one chunk ahead: the tuning's list, or for "auto" all of them when the
+    grid's `programs` fit PREFETCH_PROGRAMS_PER_SM per SM of the default device, else none."""
+    if prefetch != "auto":
+        return tuple(prefetch)
+    sms = getattr(jax.devices()[0], "core_count", None) or H200_SMS
+    return workspace_names(wq_interleaved) if programs <= PREFETCH_PROGRAMS_PER_SM * sms else ()
+
+
 def chunk_table(cu, ends, chunk, n_chunks):
     """Sequence-local chunks, numbered across sequences: choff[n] = sequence n's first chunk; for each of
     the n_chunks (a static upper bound) its first token, its sequence's end and identity-tail start
@@ -305,7 +322,8 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     return pl.pallas_call(
         functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every,
                           transposed=tuning["phase2_transposed"], wq_interleaved=tuning["wq_interleaved"],
-                          prefetch=tuple(tuning["phase2_prefetch"])),
+                          prefetch=resolve_prefetch(tuning["phase2_prefetch"], nseq * heads * (dv // block_v),
+                                                    tuning["wq_interleaved"])),
         out_shape=out_shape, grid=(nseq * heads, dv // block_v), interpret=interpret,
         name="kda_prefill_phase2",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
@@ -315,10 +333,10 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
 def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series", phase2_transposed=True,
           wq_interleaved=False, phase2_prefetch=()):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
-    unknown = set(phase2_prefetch) - set(workspace_names(wq_interleaved))
-    if isinstance(phase2_prefetch, str) or unknown:
-        raise unsupported(f"kda_prefill two-phase kernel: phase2_prefetch = {phase2_prefetch!r} is not a list of "
-                          f"the workspaces {workspace_names(wq_interleaved)}")
+    unknown = set(phase2_prefetch) - set(workspace_names(wq_interleaved)) if phase2_prefetch != "auto" else ()
+    if (isinstance(phase2_prefetch, str) and phase2_prefetch != "auto") or unknown:
+        raise unsupported(f"kda_prefill two-phase kernel: phase2_prefetch = {phase2_prefetch!r} is not 'auto' or a "
+                          f"list of the workspaces {workspace_names(wq_interleaved)}")
     if wq_interleaved and not phase2_transposed:
         raise unsupported("kda_prefill two-phase kernel: wq_interleaved needs phase2_transposed")
     if phase1_inverse not in ("substitution", "series"):
