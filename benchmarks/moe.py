@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -46,6 +45,7 @@ from kimik3_jax.params import ExpertParams
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed as kern
 from pallas_kernels.moe.kernels import TileConfig, Tiles, down, gate_up
+from timing import device_seconds
 
 E, K_TOP, L, F = 896, 16, 3584, 3072
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -65,33 +65,14 @@ def save(out):
 
 
 def timeit(fn, *args, reps=None):
-    """Median seconds per call after warm-up. Calls over 2 ms are timed one by one (host overhead is then
-    negligible, and no outputs pile up in memory); shorter ones in batches dispatched asynchronously."""
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = time.perf_counter() - t
-    per = []
-    if one > 2e-3:
-        for _ in range(reps or 5):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            per.append(time.perf_counter() - t)
-        return statistics.median(per)
-    reps = reps or int(min(50, max(5, 0.1 / max(one, 1e-6))))
-    for _ in range(3):
-        t = time.perf_counter()
-        out = [fn(*args) for _ in range(reps)]
-        jax.block_until_ready(out)
-        per.append((time.perf_counter() - t) / reps)
-        del out
-    return statistics.median(per)
+    """Device seconds per call (`timing.device_seconds`: back-to-back batches, the host's costs cancelling)."""
+    return device_seconds(fn, *args, reps=reps or 5)
 
 
 def copy_bandwidth(size=2 ** 30):
     x = jnp.ones((size,), jnp.float32)
     f = jax.jit(lambda a: a + 1.0)
-    s = timeit(f, x, reps=5)  # at most 5 queued 4 GiB outputs should a call take under 2 ms
+    s = device_seconds(f, x, calls=3)  # at most 6 queued 4 GiB outputs
     del x
     return 2 * 4 * size / s / 1e12
 

@@ -1,0 +1,37 @@
+"""benchmarks/timing.py: the device-time timer's batches (the counts of calls, the difference of two batches)
+and its result's units, with a host clock that is faked so that the arithmetic is checked exactly."""
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import timing  # noqa: E402
+
+
+def test_device_seconds_is_the_difference_of_two_batches_over_n(monkeypatch):
+    calls = []
+    clock = {"now": 0.0}
+    per_call, fixed = 0.003, 0.5  # a call costs 3 ms of "device" time; every batch pays a fixed 0.5 s
+
+    def fn(x):
+        calls.append(1)
+        clock["now"] += per_call
+        return x + 1
+
+    def fake_counter():
+        return clock["now"]
+
+    def fake_block(out):
+        clock["now"] += fixed
+        return out
+
+    monkeypatch.setattr(timing.time, "perf_counter", fake_counter)
+    monkeypatch.setattr(timing.jax, "block_until_ready", fake_block)
+    s = timing.device_seconds(fn, jnp.zeros(3), calls=4, reps=3)
+    assert abs(s - per_call) < 1e-12  # the fixed cost cancels
+    assert len(calls) == 2 + 3 * (4 + 8)  # warm-up, the probe call, then batches of n and 2n per rep
+    calls.clear()
+    # without `calls`: as many as fill batch_s (the probe call took 0.503 s here: the minimum, 2)
+    timing.device_seconds(fn, jnp.zeros(3), reps=1)
+    assert len(calls) == 2 + 2 + 4
