@@ -26,7 +26,7 @@ step() {  # name, seconds, command...
 }
 
 case $STEPS in *1*)  # the references' fp32 GEMMs need no autotuning for a correctness check
-  XLA_FLAGS=--xla_gpu_autotune_level=0 step 1-kda-tests ${LIMIT_1:-240} \
+  XLA_FLAGS=--xla_gpu_autotune_level=0 step 1-kda-tests ${LIMIT_1:-480} \
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py ;;
 esac
 case $STEPS in *2*)

@@ -1,12 +1,16 @@
 """benchmarks/timing.py: the device-time timer's batches (the counts of calls, the difference of two batches)
 and its result's units, with a host clock that is faked so that the arithmetic is checked exactly."""
-import sys
+import importlib.util
 from pathlib import Path
 
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import timing  # noqa: E402
+# loaded from its file: putting benchmarks/ on sys.path would let benchmarks/convert.py shadow the convert
+# package for every later test in the process
+_SPEC = importlib.util.spec_from_file_location(
+    "benchmarks_timing", Path(__file__).resolve().parents[1] / "benchmarks" / "timing.py")
+timing = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(timing)
 
 
 def test_device_seconds_is_the_difference_of_two_batches_over_n(monkeypatch):
