@@ -67,8 +67,9 @@ def save(out):
 
 
 def timeit(fn, *args, reps=None):
-    """Device seconds per call (`timing.device_seconds`: back-to-back batches, the host's costs cancelling)."""
-    return device_seconds(fn, *args, reps=reps or 5)
+    """Device seconds per call (`timing.device_seconds`: back-to-back batches, the host's costs cancelling;
+    3 pairs of batches by default, as the time budgets of the sweeps were set for about 7 calls per timing)."""
+    return device_seconds(fn, *args, reps=reps or 3)
 
 
 def copy_bandwidth(size=2 ** 30):
