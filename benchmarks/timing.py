@@ -3,10 +3,10 @@
 
 Timing one call at a time from the host (`perf_counter` around a call and `block_until_ready`) adds the
 host's dispatch and synchronisation to every call. On the H200 (2026-12-03) that was 0.24-0.54 ms per call
-for our KDA prefill and jax-linear-attention's at about 2 ms: a tenth to a quarter of the time, so neither the rates nor
-the ratios against do_bench's numbers meant what they said. Here a batch of n calls and one of 2n calls
-are dispatched back to back, each blocked on once; (t(2n) - t(n)) / n is the time the device takes per
-call, the host's fixed costs cancelling.
+for our KDA prefill and jax-linear-attention's at about 2 ms, a tenth to a quarter of the time, so neither
+the rates nor the ratios against do_bench's numbers meant what they said. Here a batch of n calls and one
+of 2n calls are dispatched back to back, each blocked on once; (t(2n) - t(n)) / n is the time the device
+takes per call, the host's fixed costs cancelling.
 """
 
 from __future__ import annotations
