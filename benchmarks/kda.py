@@ -149,7 +149,8 @@ def run_prefill(args, torch_mods, jla):
             except Exception as e:  # noqa: BLE001  a tuning that does not compile is skipped, and reported
                 print(f"  tuning {tuning} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            print(f"  ours {(b, t, h)} {tuning}: {ms:.3f} ms (device; {wall:.3f} wall per call), {prefill_bytes(b, t, h, tuning) / ms / 1e9:.2f} TB/s, "
+            tbps = prefill_bytes(b, t, h, tuning) / ms / 1e9
+            print(f"  ours {(b, t, h)} {tuning}: {ms:.3f} ms (device; {wall:.3f} wall per call), {tbps:.2f} TB/s, "
                   f"err o / state {errs[0]:.1e} / {errs[1]:.1e}")
             if best is None or ms < best[0]:
                 best = (ms, tuning, errs)
@@ -319,15 +320,16 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     print("\nDevice time per call (ours, jla: timing.device_seconds; fla: do_bench), and the per-call wall time:")
-    print("\n| (B, T, H) | ours ms | one-phase ms | two-phase ms | fla ms | jla ms | xla ms (wall) | speedup vs best peer "
-          "| ours / jla wall ms | err ours / fla / jla |")
+    print("\n| (B, T, H) | ours ms | one-phase ms | two-phase ms | fla ms | jla ms | xla ms (wall) "
+          "| speedup vs best peer | ours / jla wall ms | err ours / fla / jla |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in result["prefill"]:
         fmt = lambda k: f"{r[k]:.3f}" if k in r else "-"
         errs = " / ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("ours_err_o", "fla_err_o", "jla_err_o"))
         sp = f"{r['speedup_vs_best_peer']:.2f}x" if "speedup_vs_best_peer" in r else "-"
-        print(f"| {r['shape']} | {fmt('ours_ms')} | {fmt('ours_1phase_ms')} | {fmt('ours_2phase_ms')} | {fmt('fla_ms')} "
-              f"| {fmt('jla_ms')} | {fmt('xla_ms')} | {sp} | {fmt('ours_wall_ms')} / {fmt('jla_wall_ms')} | {errs} |")
+        print(f"| {r['shape']} | {fmt('ours_ms')} | {fmt('ours_1phase_ms')} | {fmt('ours_2phase_ms')} "
+              f"| {fmt('fla_ms')} | {fmt('jla_ms')} | {fmt('xla_ms')} | {sp} "
+              f"| {fmt('ours_wall_ms')} / {fmt('jla_wall_ms')} | {errs} |")
     print(f"\n| decode N (H={args.decode_heads}) | ours us/step (by difference / 100-step loop average / rolled) "
           "| ours us/call | ours TB/s "
           "| ours block_v, warps | fla us (do_bench / graph) | fla TB/s (graph) | err o / state |")
