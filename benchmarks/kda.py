@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3_jax.ops.kda import kda_chunked, l2_normalize
-from timing import device_seconds
 from kimik3_jax.ops.kda import kda_decode as kda_decode_ref
 from pallas_kernels.kda import decode as pdecode
 from pallas_kernels.kda import prefill as pprefill
+from timing import device_seconds  # benchmarks/timing.py (this script's directory is on sys.path)
 
 PREFILL_SHAPES = [(1, 8192, 96), (1, 32768, 96), (8, 2048, 12), (16, 4096, 12)]
 DECODE_NS = [1, 32, 256]

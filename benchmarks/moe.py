@@ -47,7 +47,7 @@ from kimik3_jax.params import ExpertParams
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed as kern
 from pallas_kernels.moe.kernels import TileConfig, Tiles, down, gate_up
-from timing import device_seconds
+from timing import device_seconds  # benchmarks/timing.py (this script's directory is on sys.path)
 
 E, K_TOP, L, F = 896, 16, 3584, 3072
 BETA, LINEAR_BETA = 4.0, 25.0
