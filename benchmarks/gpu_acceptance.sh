@@ -3,6 +3,9 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 12345678 (default 1234), e.g. "13", "25", "4"
+# The ninth session's next runs (docs/benchmarks.md, "Still to run"), one call each: "2" (the target shapes
+# with both peers, device time), "1" (the KDA tests; 480 s on a cold machine), "7" (phase 2 prefetch
+# candidates), "8" (MoE by device time).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
@@ -30,8 +33,8 @@ case $STEPS in *1*)  # the references' fp32 GEMMs need no autotuning for a corre
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py ;;
 esac
 case $STEPS in *2*)
-  step 2-kda-bench ${LIMIT_2:-240} python3 -u benchmarks/kda.py --reps 10 --json "$OUT/kda.json" \
-    --prefill-shapes ${SHAPES_2:-8x2048x12,1x32768x96} ;;  # each shape with its peers takes about 4 minutes
+  step 2-kda-bench ${LIMIT_2:-420} python3 -u benchmarks/kda.py --only prefill --reps 10 --json "$OUT/kda.json" \
+    --prefill-shapes ${SHAPES_2:-1x8192x96,16x4096x12} ;;  # each shape with its peers takes about 3 minutes
 esac
 case $STEPS in *3*)
   XLA_FLAGS=--xla_gpu_autotune_level=0 step 3-moe-tests ${LIMIT_3:-120} \
@@ -48,18 +51,14 @@ esac
 case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults), with checks
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
-case $STEPS in *7*)  # the eighth session's open candidates (docs/benchmarks.md, "Still to run"), no peers
+case $STEPS in *7*)  # the ninth session's candidates: a prefetch that keeps 3 blocks per SM (168 registers offline)
+  # at (16, 4096, 12), where "auto" loads nothing ahead; and (1, 32768, 96), where "auto" loads all six
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
-    --prefill-shapes ${SHAPES_7:-1x8192x96,8x2048x12} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"block_v": 32}, {"wq_interleaved": true}]' ;;
+    --prefill-shapes ${SHAPES_7:-16x4096x12,1x32768x96} --json "$OUT/kda_candidates.json" \
+    --tunings '[{}, {"phase2_prefetch": ["dec", "m"]}, {"phase2_prefetch": []}]' ;;
 esac
-case $STEPS in *8*)  # MoE prefill with swap on the new tiles, and the unchecked decode beside it
-  step 8-moe-candidates ${LIMIT_8:-200} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only \
-    --budget-s 180 --candidates '[{"regime": "prefill", "decode": "asm1-unchecked"},
-      {"regime": "prefill", "decode": "asm1-unchecked", "config": {"bm": 128,
-        "gate_up": {"bn": 64, "bk": 64, "num_warps": 4, "swap": true},
-        "down": {"bn": 128, "bk": 64, "num_warps": 8, "swap": true}}},
-      {"regime": "prefill", "config": {"bm": 128, "gate_up": {"bn": 64, "bk": 64, "num_warps": 4, "swap": true},
-        "down": {"bn": 128, "bk": 64, "num_warps": 8}}}]' ;;
+case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
+  step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \
+    --tokens 16,512,4096 --decode asm1-unchecked --budget-s 280 ;;
 esac
 tail -n 25 "$OUT"/*.txt

@@ -1,10 +1,11 @@
 """The KDA kernels compiled for the GPU (Triton) at the benchmark shapes, against the plain-JAX chunked
 scan in fp32 on the same bf16-rounded inputs: outputs and final states at bf16 level; packed sequences of
 unequal lengths with their chunk-boundary checkpoints; the fused decode step on a slot pool (whole V per
-program and split over value tiles of 32 and 64). The prefill tests run the default (two phases, chunk 16)
-(phase 2 on the transposed state) at every shape, and the one-phase kernel, the two-phase variant at
-chunk 64 and the one with phase 2 on the untransposed state on the small shapes and the packed sequences
-(the last at the gate-bound benchmark shape too).
+program and split over value tiles of 32 and 64). The prefill tests run the default (two phases, chunk 16,
+phase 2 on the transposed state, its loads one chunk ahead on small grids) at every shape, and the one-phase
+kernel, the two-phase variant at chunk 64, the one with phase 2 on the untransposed state and the default
+without the loads ahead on the small shapes and the packed sequences (the untransposed one at the
+gate-bound benchmark shape too).
 
 Run with XLA_FLAGS=--xla_gpu_autotune_level=0: the references' fp32 matmuls otherwise spend most of the
 file's time in XLA's GEMM autotuner (the Pallas kernels are not autotuned)."""
@@ -39,12 +40,14 @@ def inputs(b, t, h, seed=0, gate="random"):
 
 
 GATE = dict(lower_bound=-5.0, qk_norm=True)
-# None: the default (two phases, chunk 16, value tiles of 64, phase 1's inverse by the matmul series); the
-# one-phase kernel at chunk 32 whole V; two phases at chunk 64 with the exact substitution inverse
+# None: the default (two phases, chunk 16, value tiles of 64, phase 1's inverse by the matmul series, phase 2's
+# loads one chunk ahead on grids of at most 2 programs per SM: every grid here but (16, 4096, 12)'s); the
+# one-phase kernel at chunk 32 whole V; two phases at chunk 64 with the exact substitution inverse; phase 2
+# on the untransposed state; the default without the loads ahead (what larger grids run)
 PREFILL_TUNINGS = [None, dict(phases=1, chunk=32, block_v=128, num_warps=8),
                    dict(phases=2, chunk=64, block_v=64, num_warps=4, phase1_inverse="substitution"),
-                   dict(phases=2, phase2_transposed=False)]
-TUNING_IDS = ["default", "one-phase-c32", "two-phase-c64-bv64", "two-phase-untransposed"]
+                   dict(phases=2, phase2_transposed=False), dict(phases=2, phase2_prefetch=[])]
+TUNING_IDS = ["default", "one-phase-c32", "two-phase-c64-bv64", "two-phase-untransposed", "two-phase-no-prefetch"]
 BENCH_SHAPES = [(1, 8192, 96, "random"), (16, 4096, 12, "random"), (8, 2048, 12, "bound")]
 SMALL_SHAPES = [(2, 1000, 4, "random"), (3, 1, 4, "random")]
 PREFILL_CASES = ([(*s, None) for s in BENCH_SHAPES] + [(*s, t) for s in SMALL_SHAPES for t in PREFILL_TUNINGS]
