@@ -24,10 +24,11 @@ def device_seconds(fn, *args, calls: int | None = None, reps: int = 5, batch_s: 
     alive, but outputs are allocated as calls are dispatched, ahead of the device: keep n small for calls
     with outputs of several GB."""
     jax.block_until_ready(fn(*args))  # compile and warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = time.perf_counter() - t0
-    n = calls or max(2, min(max_calls, int(batch_s / max(one, 1e-6))))
+    n = calls
+    if not n:  # one timed call sizes the batches
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        n = max(2, min(max_calls, int(batch_s / max(time.perf_counter() - t0, 1e-6))))
 
     def batch(k):
         t = time.perf_counter()

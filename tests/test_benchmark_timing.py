@@ -34,8 +34,8 @@ def test_device_seconds_is_the_difference_of_two_batches_over_n(monkeypatch):
     monkeypatch.setattr(timing.jax, "block_until_ready", fake_block)
     s = timing.device_seconds(fn, jnp.zeros(3), calls=4, reps=3)
     assert abs(s - per_call) < 1e-12  # the fixed cost cancels
-    assert len(calls) == 2 + 3 * (4 + 8)  # warm-up, the probe call, then batches of n and 2n per rep
+    assert len(calls) == 1 + 3 * (4 + 8)  # warm-up, then batches of n and 2n per rep
     calls.clear()
-    # without `calls`: as many as fill batch_s (the probe call took 0.503 s here: the minimum, 2)
+    # without `calls`: one timed call sizes the batches (0.503 s here: the minimum, 2)
     timing.device_seconds(fn, jnp.zeros(3), reps=1)
     assert len(calls) == 2 + 2 + 4

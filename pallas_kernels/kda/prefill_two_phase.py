@@ -252,9 +252,9 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_
             return chunk_state_step_t(s, u0.T, lambda s16: (dot_nt(s16, w), dot_nt(s16, qd)), *tail, **kw)
         return chunk_state_step(s, u0, w, qd, *tail, **kw)
 
-    ahead = (lambda j: {name: load(name, j, ahead=True) for name in prefetch}) if prefetch else None
+    load_ahead = (lambda j: {name: load(name, j, ahead=True) for name in prefetch}) if prefetch else None
     serial_chunks(step, s0_ref, sf_ref, cp_ref, cpo_ref, n=n, h=h, vt=vt, bos=bos, eos=eos, chunk=chunk,
-                  cp_every=cp_every, transposed=transposed, prefetch=ahead)
+                  cp_every=cp_every, transposed=transposed, prefetch=load_ahead)
 
 
 def resolve_prefetch(prefetch, programs: int, wq_interleaved: bool) -> tuple[str, ...]:
@@ -333,10 +333,10 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
 def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series", phase2_transposed=True,
           wq_interleaved=False, phase2_prefetch=()):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
-    unknown = set(phase2_prefetch) - set(workspace_names(wq_interleaved)) if phase2_prefetch != "auto" else ()
-    if (isinstance(phase2_prefetch, str) and phase2_prefetch != "auto") or unknown:
+    names = workspace_names(wq_interleaved)
+    if phase2_prefetch != "auto" and (isinstance(phase2_prefetch, str) or set(phase2_prefetch) - set(names)):
         raise unsupported(f"kda_prefill two-phase kernel: phase2_prefetch = {phase2_prefetch!r} is not 'auto' or a "
-                          f"list of the workspaces {workspace_names(wq_interleaved)}")
+                          f"list of the workspaces {names}")
     if wq_interleaved and not phase2_transposed:
         raise unsupported("kda_prefill two-phase kernel: wq_interleaved needs phase2_transposed")
     if phase1_inverse not in ("substitution", "series"):
