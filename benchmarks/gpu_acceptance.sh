@@ -3,9 +3,9 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 12345678 (default 1234), e.g. "13", "25", "4"
-# The ninth session's next runs (docs/benchmarks.md, "Still to run"), one call each: "2" (the target shapes
-# with both peers, device time), "1" (the KDA tests; 480 s on a cold machine), "7" (phase 2 prefetch
-# candidates), "8" (MoE by device time).
+# The tenth session's next runs (docs/benchmarks.md, "Still to run"), one call each: "1" (the KDA tests on the
+# new default; 480 s on a cold machine), "7" (the new default at (1, 32768, 96) and phase 2 four stages
+# deep), "8" (MoE by device time).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
@@ -51,11 +51,11 @@ esac
 case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults), with checks
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
-case $STEPS in *7*)  # the ninth session's candidates: a prefetch that keeps 3 blocks per SM (168 registers offline)
-  # at (16, 4096, 12), where "auto" loads nothing ahead; and (1, 32768, 96), where "auto" loads all six
+case $STEPS in *7*)  # the tenth session's default (phase 2 pipelined by Triton, three stages) at the longest
+  # shape, where the transposed state was slower in the seventh session, and four stages at both
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
-    --prefill-shapes ${SHAPES_7:-16x4096x12,1x32768x96} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"phase2_prefetch": ["dec", "m"]}, {"phase2_prefetch": []}]' ;;
+    --prefill-shapes ${SHAPES_7:-1x32768x96,1x8192x96} --json "$OUT/kda_candidates.json" \
+    --tunings '[{}, {"num_stages": 4}, {"num_stages": 2}]' ;;
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \

@@ -128,9 +128,10 @@ def compile_all(src: Path, ttir_passes: bool = True) -> None:
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     ptxas = next(p for p in (tools / "ptxas-blackwell", tools / "ptxas") if p.exists())
     print(f"triton {triton.__version__}, {ptxas.name}")
-    print("| kernel | tuning | warps | registers | spill bytes (st / ld) | blocks/SM by registers | "
+    print("| kernel | tuning | warps | registers | spill bytes (st / ld) | blocks/SM by registers and shared memory | "
+          "shared bytes | "
           + " | ".join(SASS_OPS) + " |")
-    print("| --- " * (6 + len(SASS_OPS)) + "|")
+    print("| --- " * (7 + len(SASS_OPS)) + "|")
     target = GPUTarget("cuda", 90, 32)
     for ttir in sorted(p for p in src.glob("*.ttir") if not p.name.endswith(".opt.ttir")):
         meta = json.loads(ttir.with_suffix(".json").read_text())
@@ -139,6 +140,7 @@ def compile_all(src: Path, ttir_passes: bool = True) -> None:
                                 options=dict(num_warps=warps, num_stages=meta["num_stages"]))
         ptx, cubin = ttir.with_suffix(".ptx"), ttir.with_suffix(".cubin")
         ptx.write_text(kernel.asm["ptx"])
+        ttir.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])  # the layouts Triton chose
         cubin.write_bytes(kernel.asm["cubin"])
         report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", "/dev/null"],
                                 capture_output=True, text=True).stderr
@@ -147,9 +149,10 @@ def compile_all(src: Path, ttir_passes: bool = True) -> None:
         sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
         ttir.with_suffix(".sass").write_text(sass)
         counts = [len(re.findall(r"\b" + op + r"[ .]", sass)) for op in SASS_OPS]
-        blocks = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 64 // warps)
+        smem = kernel.metadata.shared
+        blocks = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 64 // warps, (228 << 10) // max(smem + 1024, 1))
         print(f"| {ttir.stem} | {json.dumps(meta['tuning'])} | {warps} | {regs} | {spills[0]} / {spills[1]} | "
-              f"{blocks} ({blocks * warps} warps) | " + " | ".join(map(str, counts)) + " |")
+              f"{blocks} ({blocks * warps} warps) | {smem} | " + " | ".join(map(str, counts)) + " |")
 
 
 def main(argv=None):

@@ -76,13 +76,13 @@ def run_prefill(x, **kw):
                                             (50, "bound", dict(TWO_SMALL, phase1_chunks=3, phase1_stages=2)),
                                             (70, "bound", TWO_64),
                                             (45, "random", dict(TWO_SMALL, phase2_transposed=False)),
-                                            (70, "bound", dict(TWO_64, phase2_transposed=False, phase2_prefetch=[])),
+                                            (70, "bound", dict(TWO_64, phase2_transposed=False)),
                                             (37, "random", dict(TWO_SMALL, phase1_early_stores=True)),
                                             (70, "bound", dict(TWO_64, phase1_early_stores=True)),
-                                            (45, "random", dict(TWO_SMALL, wq_interleaved=True, phase2_prefetch=[])),
+                                            (45, "random", dict(TWO_SMALL, wq_interleaved=True)),
                                             (70, "bound", dict(TWO_64, wq_interleaved=True, phase1_early_stores=True)),
-                                            (37, "bound", dict(TWO_SMALL, phase2_prefetch=[])),
-                                            (70, "random", dict(TWO_64, phase2_prefetch=[])),
+                                            (37, "bound", dict(TWO_SMALL, phase1_v_early=False)),
+                                            (70, "random", dict(TWO_64, phase1_early_stores=False)),
                                             (37, "random", dict(TWO_SMALL, phase2_prefetch=["u0", "dec"])),
                                             (70, "bound", dict(TWO_64, phase2_prefetch=["u0", "dec", "m", "kt"])),
                                             (45, "bound", dict(TWO_SMALL, wq_interleaved=True,
@@ -121,9 +121,9 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
 @pytest.mark.parametrize("tuning", [pytest.param(SMALL, marks=pytest.mark.slow), TWO_SMALL,
                                     dict(TWO_SMALL, phase1_chunks=4), dict(TWO_SMALL, wq_interleaved=True),
                                     dict(TWO_SMALL, phase2_prefetch=["u0", "dec", "w"]),
-                                    dict(TWO_SMALL, phase2_prefetch=[])],
+                                    dict(TWO_SMALL, phase1_v_early=False)],
                          ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program", "two-phase-wq-interleaved",
-                              "two-phase-prefetch", "two-phase-no-prefetch"])
+                              "two-phase-prefetch", "two-phase-v-late"])
 def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     lens = [37, 1, 70, 16, 0, 33]
     cp = 16
@@ -232,23 +232,6 @@ def test_two_phase_packed_chunks_and_limits():
         k.supports(*args, tuning=dict(phases=2, wq_interleaved=True, phase2_prefetch=["w"]), **kw)
     with pytest.raises(impl_mod.Unsupported, match="phase2_prefetch"):  # a name, not a list of names
         k.supports(*args, tuning=dict(phases=2, phase2_prefetch="u0"), **kw)
-
-
-def test_phase2_prefetch_auto_loads_ahead_only_when_the_grid_leaves_room(monkeypatch):
-    """"auto" loads every workspace one chunk ahead when the phase-2 grid has at most 2 programs per SM,
-    none past that (the carried tiles cost registers); a list is taken as given."""
-    from pallas_kernels.kda import prefill_two_phase as tp
-
-    class Device:
-        core_count = 10
-
-    monkeypatch.setattr(tp.jax, "devices", lambda: [Device()])
-    assert tp.resolve_prefetch("auto", 20, False) == tp.workspace_names(False)
-    assert tp.resolve_prefetch("auto", 20, True) == ("wq", "u0", "kt", "m", "dec")
-    assert tp.resolve_prefetch("auto", 21, False) == ()
-    assert tp.resolve_prefetch(["u0", "dec"], 1, False) == ("u0", "dec")
-    Device.core_count = None  # not reported (a CPU): the H200's 132 SMs
-    assert tp.resolve_prefetch("auto", 264, False) and not tp.resolve_prefetch("auto", 265, False)
 
 
 def test_default_falls_back_to_one_phase_past_the_workspace_cap(monkeypatch):

@@ -54,8 +54,11 @@ from pallas_kernels.kda.common import (
     chunk_state_step_t,
     compiler_params,
     dot_nt,
+    LOG2E,
+    exp_fast,
     serial_chunks,
     series_inverse,
+    sigmoid_fast,
 )
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
@@ -81,17 +84,17 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # serial chain per chunk (the offline build's SASS: 8 HGMMA of 64x32 in place of two groups of 8 of 64x16).
 # The same products, each summed in the same order. Off: on the H200 it gained 4% at (1, 8192, 96) and lost
 # 25% at (16, 4096, 12) (2.254 / 2.344 and 2.532 / 2.018 ms, 2026-12-03).
-# phase2_prefetch: the workspaces phase 2 loads one chunk ahead (`common.serial_chunks`), so that its serial
-# chain does not wait on them; "auto" loads all of them ahead when the phase-2 grid has at most
-# PREFETCH_PROGRAMS_PER_SM programs per SM (the carried tiles cost registers: 3 blocks per SM no longer
-# fit), and none otherwise. H200, device time, same run (2026-12-03): (1, 8192, 96), 192 programs: 1.620 ms
-# with all ahead, 1.717 with u0 and e^(G_C) ahead, 1.931 with none; (16, 4096, 12), 384 programs: 1.449 with
-# none, 1.677 with all, 1.733 with u0 and e^(G_C).
-PREFETCH_PROGRAMS_PER_SM = 2
-H200_SMS = 132  # the SM count when the device does not report one (the interpreter on a CPU)
+# phase2_prefetch: the workspaces phase 2 loads one chunk ahead into registers (`common.serial_chunks`), so
+# that its serial chain does not wait on them. None by default since 2026-12-03: Triton's own pipelining of
+# the loop's loads (prefill.TUNING num_stages = 3: async copies into shared memory, two chunks ahead, no
+# registers carried) beat it at both grid sizes, H200, device time, same runs: (1, 8192, 96), 192 programs:
+# 1.460 ms against 1.615 with all six ahead (num_stages 2); (16, 4096, 12), 384 programs: 1.234 against
+# 1.407 with none ahead at num_stages 2 and 1.318 with M and e^(G_C) ahead.
+# phase1_v_early (the default since 2026-12-03): see _phase1_kernel; 802 against 833 us for phase 1 at
+# (16, 4096, 12) (Nsight Compute, same run).
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=False, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
-                          phase2_prefetch="auto")
+                          phase2_prefetch=(), phase1_v_early=True)
 
 
 def sub_block(chunk: int) -> int:
@@ -109,13 +112,16 @@ def workspace_names(wq_interleaved: bool) -> tuple[str, ...]:
 
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs, chunk,
-                   lower_bound, gate, qk_norm, per_program, inverse, transposed, early_stores, wq_interleaved):
+                   lower_bound, gate, qk_norm, per_program, inverse, transposed, early_stores, wq_interleaved,
+                   v_early):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
     (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1).
     early_stores: each workspace is stored as soon as it is known and v is loaded only for u0, so that fewer
     [C, K] tiles are live at once (the default loads everything first and stores everything last); the
-    same values either way. wq_interleaved: w and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one
-    [2C, K] workspace."""
+    same values either way. v_early (with early_stores): v is loaded with q, k and g and held in bf16 until
+    u0, so that its load's latency overlaps the chunk's other work (Nsight Compute, (16, 4096, 12): 7.5% of
+    phase 1's stall samples waited on the late load; offline, the same 128 registers). wq_interleaved: w
+    and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one [2C, K] workspace."""
     cb, h = pl.program_id(0), pl.program_id(1)
     rows_of = {name: (ref, slice(None)) for name, ref in zip(workspace_names(wq_interleaved), out_refs)}
     if wq_interleaved:  # w and q_dec: the even and the odd rows of wq
@@ -138,28 +144,31 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         k = plt.load(k_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
 
         def load_v():
-            return plt.load(v_ref.at[pl.ds(t0, chunk), h, :], mask=jnp.broadcast_to(inb, (chunk, dv)),
-                            other=0.0).astype(f32)
+            return plt.load(v_ref.at[pl.ds(t0, chunk), h, :], mask=jnp.broadcast_to(inb, (chunk, dv)), other=0.0)
 
-        v = None if early_stores else load_v()
+        v_first = load_v() if v_early or not early_stores else None  # kept in bf16 until u0 needs it
         g = plt.load(g_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
         beta = plt.load(b_ref.at[pl.ds(t0, chunk), h], mask=inb[:, 0], other=0.0).astype(f32)[:, None]
         if gate:
-            g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+            g = lower_bound * sigmoid_fast(exp_fast(alog_ref[h].astype(f32)) * g)
         if qk_norm:
             q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk ** -0.5
             k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
         g = jnp.where(real, g, 0.0)
         beta = jnp.where(real, beta, 0.0)
 
-        gc = jnp.cumsum(g, axis=0)  # G_t, inclusive; non-increasing down the chunk
+        # in log2 units from here, so that every e^x below is one exp2: G_t (inclusive; non-increasing down
+        # the chunk) and the chunk's total, g_end [1, K] (as a column sum: one reduction, no row selection)
+        g = g * LOG2E
+        gc = jnp.cumsum(g, axis=0)
         outputs = {  # each workspace's value, built when stored
             "w": lambda: jnp.dot(inv, k * decay * beta, preferred_element_type=f32),
-            "u0": lambda: jnp.dot(inv, (load_v() if v is None else v) * beta, preferred_element_type=f32),
+            "u0": lambda: jnp.dot(inv, (load_v() if v_first is None else v_first).astype(f32) * beta,
+                                  preferred_element_type=f32),
             "qd": lambda: q * decay,
-            "kt": lambda: k * jnp.exp(g_end - gc),
+            "kt": lambda: k * jnp.exp2(g_end - gc),
             "m": lambda: m,
-            "dec": lambda: jnp.exp(g_end) if transposed else jnp.exp(g_end).T,
+            "dec": lambda: jnp.exp2(g_end) if transposed else jnp.exp2(g_end).T,
         }
 
         def store(*names):
@@ -168,21 +177,23 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
                 ref[c, h, rows_] = outputs[name]().astype(ref.dtype)
 
         if early_stores:
-            decay, g_end = jnp.exp(gc), _row_of(gc, rows, chunk - 1)  # g_end: [1, K] the chunk's total log decay
+            decay, g_end = jnp.exp2(gc), jnp.sum(g, axis=0, keepdims=True)
             store("dec", "kt")
         blk_r, blk_c = rows // sub, cols // sub
         same = blk_r == blk_c  # [C, C] pairs inside one sub-block
         # inside a sub-block: anchor at its middle row
-        mid = sum(jnp.where(blk_r == a, _row_of(gc, rows, a * sub + sub // 2 - 1), 0.0) for a in range(nsub))
-        up, down = jnp.exp(gc - mid), jnp.exp(mid - gc)
+        mid = _row_of(gc, rows, sub // 2 - 1)  # [1, K] when the chunk is one sub-block
+        if nsub > 1:
+            mid = sum(jnp.where(blk_r == a, _row_of(gc, rows, a * sub + sub // 2 - 1), 0.0) for a in range(nsub))
+        up, down = jnp.exp2(gc - mid), jnp.exp2(mid - gc)
         k_down = (k * down).astype(bf16)
         pkk = dot_nt((k * up).astype(bf16), k_down)
         pqk = dot_nt((q * up).astype(bf16), k_down)
         # across sub-blocks, row block a >= 1: anchor at the decay just before a's first row (both factors <= 1)
         for a in range(1, nsub):
             anchor = _row_of(gc, rows, a * sub - 1)
-            row_f = jnp.exp(jnp.where(blk_r == a, gc - anchor, -jnp.inf))  # rows t of block a
-            col_f = jnp.exp(jnp.where(rows < a * sub, anchor - gc, -jnp.inf))  # keys i before block a
+            row_f = jnp.exp2(jnp.where(blk_r == a, gc - anchor, -jnp.inf))  # rows t of block a
+            col_f = jnp.exp2(jnp.where(rows < a * sub, anchor - gc, -jnp.inf))  # keys i before block a
             kc = (k * col_f).astype(bf16)
             in_a = (blk_r == a) & ~same
             pkk = jnp.where(in_a, dot_nt((k * row_f).astype(bf16), kc), pkk)
@@ -211,7 +222,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         if early_stores:
             store("w", "u0")
         else:
-            decay, g_end = jnp.exp(gc), _row_of(gc, rows, chunk - 1)
+            decay, g_end = jnp.exp2(gc), jnp.sum(g, axis=0, keepdims=True)
             store("w", "u0", "qd", "kt", "m", "dec")
 
     if per_program == 1:
@@ -257,15 +268,6 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_
                   cp_every=cp_every, transposed=transposed, prefetch=load_ahead)
 
 
-def resolve_prefetch(prefetch, programs: int, wq_interleaved: bool) -> tuple[str, ...]:
-    """The workspaces phase 2 loads one chunk ahead: the tuning's list, or for "auto" all of them when the
-    grid's `programs` fit PREFETCH_PROGRAMS_PER_SM per SM of the default device, else none."""
-    if prefetch != "auto":
-        return tuple(prefetch)
-    sms = getattr(jax.devices()[0], "core_count", None) or H200_SMS
-    return workspace_names(wq_interleaved) if programs <= PREFETCH_PROGRAMS_PER_SM * sms else ()
-
-
 def chunk_table(cu, ends, chunk, n_chunks):
     """Sequence-local chunks, numbered across sequences: choff[n] = sequence n's first chunk; for each of
     the n_chunks (a static upper bound) its first token, its sequence's end and identity-tail start
@@ -302,7 +304,8 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
     return pl.pallas_call(
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
                           per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr,
-                          early_stores=tuning["phase1_early_stores"], wq_interleaved=wq),
+                          early_stores=tuning["phase1_early_stores"], wq_interleaved=wq,
+                          v_early=tuning["phase1_v_early"]),
         out_shape=[shapes[name] for name in workspace_names(wq)],
         grid=(n_chunks // tuning["phase1_chunks"], heads), interpret=interpret, name="kda_prefill_phase1",
         compiler_params=compiler_params(tuning["phase1_warps"], tuning["phase1_stages"]),
@@ -322,8 +325,7 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     return pl.pallas_call(
         functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every,
                           transposed=tuning["phase2_transposed"], wq_interleaved=tuning["wq_interleaved"],
-                          prefetch=resolve_prefetch(tuning["phase2_prefetch"], nseq * heads * (dv // block_v),
-                                                    tuning["wq_interleaved"])),
+                          prefetch=tuple(tuning["phase2_prefetch"])),
         out_shape=out_shape, grid=(nseq * heads, dv // block_v), interpret=interpret,
         name="kda_prefill_phase2",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
@@ -334,8 +336,8 @@ def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="seri
           wq_interleaved=False, phase2_prefetch=()):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
     names = workspace_names(wq_interleaved)
-    if phase2_prefetch != "auto" and (isinstance(phase2_prefetch, str) or set(phase2_prefetch) - set(names)):
-        raise unsupported(f"kda_prefill two-phase kernel: phase2_prefetch = {phase2_prefetch!r} is not 'auto' or a "
+    if isinstance(phase2_prefetch, str) or set(phase2_prefetch) - set(names):
+        raise unsupported(f"kda_prefill two-phase kernel: phase2_prefetch = {phase2_prefetch!r} is not a "
                           f"list of the workspaces {names}")
     if wq_interleaved and not phase2_transposed:
         raise unsupported("kda_prefill two-phase kernel: wq_interleaved needs phase2_transposed")

@@ -40,14 +40,15 @@ def inputs(b, t, h, seed=0, gate="random"):
 
 
 GATE = dict(lower_bound=-5.0, qk_norm=True)
-# None: the default (two phases, chunk 16, value tiles of 64, phase 1's inverse by the matmul series, phase 2's
-# loads one chunk ahead on grids of at most 2 programs per SM: every grid here but (16, 4096, 12)'s); the
-# one-phase kernel at chunk 32 whole V; two phases at chunk 64 with the exact substitution inverse; phase 2
-# on the untransposed state; the default without the loads ahead (what larger grids run)
+# None: the default (two phases, chunk 16, value tiles of 64, phase 1's inverse by the matmul series and v
+# loaded first, phase 2's loads pipelined by Triton three stages deep); the one-phase kernel at chunk 32 whole
+# V; two phases at chunk 64 with the exact substitution inverse; phase 2 on the untransposed state; the
+# previous default at 192 programs (every workspace loaded one chunk ahead into registers, two stages)
 PREFILL_TUNINGS = [None, dict(phases=1, chunk=32, block_v=128, num_warps=8),
                    dict(phases=2, chunk=64, block_v=64, num_warps=4, phase1_inverse="substitution"),
-                   dict(phases=2, phase2_transposed=False), dict(phases=2, phase2_prefetch=[])]
-TUNING_IDS = ["default", "one-phase-c32", "two-phase-c64-bv64", "two-phase-untransposed", "two-phase-no-prefetch"]
+                   dict(phases=2, phase2_transposed=False),
+                   dict(phases=2, num_stages=2, phase2_prefetch=["w", "u0", "qd", "kt", "m", "dec"])]
+TUNING_IDS = ["default", "one-phase-c32", "two-phase-c64-bv64", "two-phase-untransposed", "two-phase-prefetch"]
 BENCH_SHAPES = [(1, 8192, 96, "random"), (16, 4096, 12, "random"), (8, 2048, 12, "bound")]
 SMALL_SHAPES = [(2, 1000, 4, "random"), (3, 1, 4, "random")]
 PREFILL_CASES = ([(*s, None) for s in BENCH_SHAPES] + [(*s, t) for s in SMALL_SHAPES for t in PREFILL_TUNINGS]
