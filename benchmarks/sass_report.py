@@ -5,7 +5,9 @@ the project's venv (jax) and a Triton wheel do not share one environment:
     # 1. in the project's venv: lower the kernels for CUDA on the CPU and keep the Triton IR Pallas builds
     python benchmarks/sass_report.py dump /tmp/ttir --tunings '[{}, {"phase1_warps": 4}]' [--op decode|moe]
     # 2. in a venv with a Triton wheel (pip install triton; 3.9.0 was used): compile each kernel for sm_90a,
-    #    run ptxas -v and cuobjdump (both ship in the wheel), print one row per kernel
+    #    run ptxas -v and cuobjdump (both ship in the wheel), print one row per kernel; beside each .ttir it
+    #    writes the .ttgir (Triton's layouts), .ptx, .sass and .live.txt (nvdisasm's live-register count after
+    #    each instruction: where the register peak is)
     TRITON_DEFAULT_FP_FUSION=1 /tmp/tvenv/bin/python benchmarks/sass_report.py compile /tmp/ttir
 
 The wheel's Triton is not the one inside jaxlib's GPU plugin, so the numbers are a proxy. Step 2 first runs
@@ -148,6 +150,10 @@ def compile_all(src: Path, ttir_passes: bool = True) -> None:
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()
         sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
         ttir.with_suffix(".sass").write_text(sass)
+        # the live registers after each instruction (the "#" column), to find where the register peak is
+        live = subprocess.run([str(tools / "nvdisasm"), "-plr", "-lrm", "count", "-c", str(cubin)],
+                              capture_output=True, text=True).stdout
+        ttir.with_suffix(".live.txt").write_text(live)
         counts = [len(re.findall(r"\b" + op + r"[ .]", sass)) for op in SASS_OPS]
         smem = kernel.metadata.shared
         blocks = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 64 // warps, (228 << 10) // max(smem + 1024, 1))
