@@ -4,8 +4,8 @@
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 12345678 (default 1234), e.g. "13", "25", "4"
 # The tenth session's next runs (docs/benchmarks.md, "Still to run"), one call each: "1" (the KDA tests on the
-# new default; 480 s on a cold machine), "7" (the new default at (1, 32768, 96) and phase 2 four stages
-# deep), "8" (MoE by device time).
+# new default; 480 s on a cold machine), "7" (the new default at (1, 32768, 96) and three candidates for
+# (1, 8192, 96)), "8" (MoE by device time).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
@@ -52,10 +52,11 @@ case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split aroun
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
 case $STEPS in *7*)  # the tenth session's default (phase 2 pipelined by Triton, three stages) at the longest
-  # shape, where the transposed state was slower in the seventh session, and four stages at both
+  # shape, where the transposed state was slower in the seventh session; u0 in bf16 (a sixth less workspace
+  # traffic), whole V per phase-2 program at 8 warps (96 programs: w, q_dec, k_tail, M read once), 4 stages
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
     --prefill-shapes ${SHAPES_7:-1x32768x96,1x8192x96} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"num_stages": 4}, {"num_stages": 2}]' ;;
+    --tunings '[{}, {"u0_bf16": true}, {"block_v": 128, "num_warps": 8}, {"num_stages": 4}]' ;;
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \
