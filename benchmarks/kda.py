@@ -49,12 +49,12 @@ DECODE_TUNINGS = [dict(block_v=bv, num_warps=w, num_stages=1)
 DK = DV = 128
 WIDTH = 4
 TUNINGS = [dict(phases=1, chunk=32, block_v=128, num_warps=8, num_stages=2)]  # the best one-phase tuning so far
-# two-phase, around the default (chunk 16, tile 64; these entries take the default's other keys, early stores
-# and the transposed phase 2 included): phase 1's warps (2 won on 2026-12-01 without early stores, 4 since
+# two-phase, around the default (chunk 16, tile 64, phase 2 three stages deep; these entries take the
+# default's other keys, early stores, v first and the transposed phase 2 included): phase 1's warps (2 won on 2026-12-01 without early stores, 4 since
 # 2026-12-03 with them), chunks per program and stages, its inverse, u0 in bf16. Chunk 64
 # (9-11 ms), chunk 32 (2.68-3.4 ms), value tiles of 32 or 128 (3.0-3.2 ms) and phase 1 at 1 warp lost in
 # the earlier sweeps and are left out.
-TWO_PHASE_TUNINGS = [dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=2, phase1_warps=w1,
+TWO_PHASE_TUNINGS = [dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=3, phase1_warps=w1,
                           phase1_chunks=p1, phase1_stages=s1, u0_bf16=u, phase1_inverse=inv)
                      for w1, p1, s1, u, inv in [(2, 1, 1, False, "substitution"), (2, 1, 1, False, "series"),
                                                 (4, 1, 1, False, "series"), (2, 1, 1, True, "substitution"),

@@ -49,12 +49,12 @@ from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import L2_EPS, SUB_BLOCK
 from pallas_kernels.kda.common import (
+    LOG2E,
     cdiv,
     chunk_state_step,
     chunk_state_step_t,
     compiler_params,
     dot_nt,
-    LOG2E,
     exp_fast,
     serial_chunks,
     series_inverse,
