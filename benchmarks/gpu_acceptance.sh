@@ -56,7 +56,7 @@ case $STEPS in *7*)  # the tenth session's default (phase 2 pipelined by Triton,
   # traffic), whole V per phase-2 program at 8 warps (96 programs: w, q_dec, k_tail, M read once), 4 stages
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
     --prefill-shapes ${SHAPES_7:-1x32768x96,1x8192x96} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"u0_bf16": true}, {"block_v": 128, "num_warps": 8}, {"num_stages": 4}]' ;;
+    --tunings '[{}, {"u0_bf16": true}, {"block_v": 128, "num_warps": 8}, {"num_stages": 4}, {"u0_bf16": true, "block_v": 128, "num_warps": 8}]' ;;
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \

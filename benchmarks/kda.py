@@ -71,7 +71,7 @@ def prefill_bytes(b, t, h, tuning):
     c, tiles = tn["chunk"], DV // min(tn["block_v"], DV)
     n_chunks = b * -(-t // c)
     shared = n_chunks * h * (c * (3 * DK * 2 + c * 2) + DK * 4)  # w, q_dec, k_tail, M (bf16), e^(G_C) (fp32)
-    u0 = n_chunks * h * c * DV * (2 if tn.get("u0_bf16") else 4)  # fp32 unless u0_bf16
+    u0 = n_chunks * h * c * DV * (2 if tn["u0_bf16"] else 4)  # bf16 by default, fp32 with u0_bf16 off
     return base + (shared + u0) + (shared * tiles + u0)
 
 
