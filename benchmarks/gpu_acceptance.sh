@@ -2,10 +2,10 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 12345678 (default 1234), e.g. "13", "25", "4"
-# The tenth session's next runs (docs/benchmarks.md, "Still to run"), one call each: "1" (the KDA tests on the
-# new default; 480 s on a cold machine), "7" (the new default at (1, 32768, 96) and three candidates for
-# (1, 8192, 96)), "8" (MoE by device time).
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 123456789 (default 1234), e.g. "13", "25", "4"
+# The eleventh session's runs (docs/benchmarks.md, "Still to run"): "79" (phase-1 candidates timed, and each
+# phase by Nsight Compute), then "2" (the best with both peers), "1" (the KDA tests on the new default; 480 s
+# on a cold machine), "8" (MoE by device time).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
@@ -51,15 +51,21 @@ esac
 case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults), with checks
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
-case $STEPS in *7*)  # the tenth session's default (phase 2 pipelined by Triton, three stages) at the longest
-  # shape, where the transposed state was slower in the seventh session; u0 in bf16 (a sixth less workspace
-  # traffic), whole V per phase-2 program at 8 warps (96 programs: w, q_dec, k_tail, M read once), 4 stages
+case $STEPS in *7*)  # the eleventh session's default (u0 in bf16) and its candidates at both target shapes:
+  # phase 1 launched head by head (each resident wave reads whole token rows of q, k, v, g), alone and with
+  # two chunks per program pipelined two stages deep
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
-    --prefill-shapes ${SHAPES_7:-1x32768x96,1x8192x96} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"u0_bf16": true}, {"block_v": 128, "num_warps": 8}, {"num_stages": 4}, {"u0_bf16": true, "block_v": 128, "num_warps": 8}]' ;;
+    --prefill-shapes ${SHAPES_7:-1x8192x96,16x4096x12} --json "$OUT/kda_candidates.json" \
+    --tunings '[{}, {"phase1_heads_first": true}, {"phase1_heads_first": true, "phase1_chunks": 2, "phase1_stages": 2}]' ;;
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \
     --tokens 16,512,4096 --decode asm1-unchecked --budget-s 280 ;;
+esac
+case $STEPS in *9*)  # each prefill phase alone, by Nsight Compute (duration, DRAM, L2 hits, occupancy), for
+  # the default and NCU_PREFILL's tunings (JSON list; null is the default) at NCU_PREFILL_SHAPE
+  step 9-kda-phases ${LIMIT_9:-200} ncu --clock-control none -k regex:kda_prefill --csv --metrics \
+    gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum,lts__t_sector_hit_rate.pct,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
+    python3 tests/gpu/probe_ncu.py P ;;
 esac
 tail -n 25 "$OUT"/*.txt
