@@ -52,11 +52,11 @@ case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split aroun
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
 case $STEPS in *7*)  # the eleventh session's default (u0 in bf16) and its candidates at both target shapes:
-  # phase 1 launched head by head (each resident wave reads whole token rows of q, k, v, g), alone and with
-  # two chunks per program pipelined two stages deep
+  # phase 2 loads e^(G_C) one chunk ahead in registers (Triton's pipeliner leaves that [1, K] row's load in the
+  # loop, waited on each chunk; the four other workspaces stay async copies), at 3 and 4 stages
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
     --prefill-shapes ${SHAPES_7:-1x8192x96,16x4096x12} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"phase1_heads_first": true}, {"phase1_heads_first": true, "phase1_chunks": 2, "phase1_stages": 2}]' ;;
+    --tunings '[{}, {"phase2_prefetch": ["dec"]}, {"phase2_prefetch": ["dec"], "num_stages": 4}]' ;;
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \

@@ -82,7 +82,7 @@ def run_prefill(x, **kw):
                                             (45, "random", dict(TWO_SMALL, wq_interleaved=True)),
                                             (70, "bound", dict(TWO_64, wq_interleaved=True, phase1_early_stores=True)),
                                             (37, "bound", dict(TWO_SMALL, phase1_v_early=False)),
-                                            (70, "bound", dict(TWO_64, phase1_heads_first=True)),
+                                            (45, "random", dict(TWO_SMALL, phase2_prefetch=[])),
                                             (70, "random", dict(TWO_64, phase1_early_stores=False)),
                                             (37, "random", dict(TWO_SMALL, phase2_prefetch=["u0", "dec"])),
                                             (70, "bound", dict(TWO_64, phase2_prefetch=["u0", "dec", "m", "kt"])),
@@ -122,10 +122,9 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
 @pytest.mark.parametrize("tuning", [pytest.param(SMALL, marks=pytest.mark.slow), TWO_SMALL,
                                     dict(TWO_SMALL, phase1_chunks=4), dict(TWO_SMALL, wq_interleaved=True),
                                     dict(TWO_SMALL, phase2_prefetch=["u0", "dec", "w"]),
-                                    dict(TWO_SMALL, phase1_v_early=False),
-                                    dict(TWO_SMALL, phase1_heads_first=True, phase1_chunks=3)],
+                                    dict(TWO_SMALL, phase1_v_early=False)],
                          ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program", "two-phase-wq-interleaved",
-                              "two-phase-prefetch", "two-phase-v-late", "two-phase-heads-first"])
+                              "two-phase-prefetch", "two-phase-v-late"])
 def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     lens = [37, 1, 70, 16, 0, 33]
     cp = 16

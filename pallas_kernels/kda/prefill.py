@@ -51,7 +51,8 @@ from pallas_kernels.kda.common import (
 # of 64, phase 1 at 4 warps with the series inverse, early stores and v loaded first, phase 2 on the transposed
 # state with its loop's loads pipelined three stages deep (num_stages = 3: 1.234 against 1.407 ms at
 # (16, 4096, 12), 1.460 against 1.615 at (1, 8192, 96), H200 2026-12-03; the one-phase kernel at chunk 32
-# compiled and passed its GPU checks at 3 stages, not timed).
+# compiled and passed its GPU checks at 3 stages, not timed) but for e^(G_C), loaded a chunk ahead in
+# registers, and u0 kept in bf16 (2026-12-04).
 # chunk, block_v, num_warps, num_stages apply to the serial kernel (phase 2, or the one-phase kernel);
 # phase1_warps, phase1_stages, phase1_chunks (chunks per program) to the parallel phase 1; u0_bf16 (on by
 # default since 2026-12-04: 1.382 against 1.463 ms at (1, 8192, 96), same errors) stores its u0 workspace in

@@ -88,21 +88,21 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # The same products, each summed in the same order. Off: on the H200 it gained 4% at (1, 8192, 96) and lost
 # 25% at (16, 4096, 12) (2.254 / 2.344 and 2.532 / 2.018 ms, 2026-12-03).
 # phase2_prefetch: the workspaces phase 2 loads one chunk ahead into registers (`common.serial_chunks`), so
-# that its serial chain does not wait on them. None by default since 2026-12-03: Triton's own pipelining of
-# the loop's loads (prefill.TUNING num_stages = 3: async copies into shared memory, two chunks ahead, no
-# registers carried) beat it at both grid sizes, H200, device time, same runs: (1, 8192, 96), 192 programs:
-# 1.460 ms against 1.615 with all six ahead (num_stages 2); (16, 4096, 12), 384 programs: 1.234 against
-# 1.407 with none ahead at num_stages 2 and 1.318 with M and e^(G_C) ahead.
+# that its serial chain does not wait on them. For the tiles of w, q_dec, k_tail and M, Triton's own
+# pipelining of the loop's loads (prefill.TUNING num_stages = 3: async copies into shared memory, two chunks
+# ahead, no registers carried) beat it at both grid sizes, H200, device time, same runs: (1, 8192, 96), 192
+# programs: 1.460 ms against 1.615 with all six ahead (num_stages 2); (16, 4096, 12), 384 programs: 1.234
+# against 1.407 with none ahead at num_stages 2 and 1.318 with M and e^(G_C) ahead. (u0 Triton prefetches
+# into registers itself.) But the pipeliner leaves e^(G_C)'s [1, K] row as a plain load inside the loop,
+# waited on in the same chunk (offline TTGIR), so the default since 2026-12-04 takes that one ahead:
+# ("dec",), 164 registers; phase 2 632 -> 581 us (Nsight Compute), the prefill 1.368 -> 1.342 ms at
+# (1, 8192, 96) and 1.179 -> 1.173 at (16, 4096, 12), H200 device time, same run.
 # phase1_v_early (the default since 2026-12-03): see _phase1_kernel; 802 against 833 us for phase 1 at
 # (16, 4096, 12) (Nsight Compute, same run).
-# phase1_heads_first: phase 1's programs launched head by head within a chunk (all heads of chunk 0, then
-# of chunk 1, ...) instead of chunk by chunk within a head. The programs resident at once then read and write
-# a few neighbouring token rows of [T, H, K] whole (H x 256 contiguous bytes of q per row) instead of
-# 256-byte pieces spread over one head's whole sequence.
 # u0_bf16 (the default since 2026-12-04): see the module docstring; H200 device time, same runs, 2026-12-04.
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=True, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
-                          phase2_prefetch=(), phase1_v_early=True, phase1_heads_first=False)
+                          phase2_prefetch=("dec",), phase1_v_early=True)
 
 
 def sub_block(chunk: int) -> int:
@@ -121,7 +121,7 @@ def workspace_names(wq_interleaved: bool) -> tuple[str, ...]:
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs, chunk,
                    lower_bound, gate, qk_norm, per_program, inverse, transposed, early_stores, wq_interleaved,
-                   v_early, heads_first):
+                   v_early):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
     (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1).
     early_stores: each workspace is stored as soon as it is known and v is loaded only for u0, so that fewer
@@ -129,9 +129,8 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
     same values either way. v_early (with early_stores): v is loaded with q, k and g and held in bf16 until
     u0, so that its load's latency overlaps the chunk's other work (Nsight Compute, (16, 4096, 12): 7.5% of
     phase 1's stall samples waited on the late load; offline, the same 128 registers). wq_interleaved: w
-    and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one [2C, K] workspace. heads_first: the grid
-    is (head, chunk block) instead of (chunk block, head), the first axis the fastest in launch order."""
-    cb, h = (pl.program_id(1), pl.program_id(0)) if heads_first else (pl.program_id(0), pl.program_id(1))
+    and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one [2C, K] workspace."""
+    cb, h = pl.program_id(0), pl.program_id(1)
     rows_of = {name: (ref, slice(None)) for name, ref in zip(workspace_names(wq_interleaved), out_refs)}
     if wq_interleaved:  # w and q_dec: the even and the odd rows of wq
         wq = rows_of["wq"][0]
@@ -304,7 +303,6 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
         raise ValueError(f"phase 1: {n_chunks} chunks do not divide into programs of {tuning['phase1_chunks']}")
     dk, dv = q.shape[-1], v.shape[-1]
     tr, wq = tuning["phase2_transposed"], tuning["wq_interleaved"]
-    blocks = n_chunks // tuning["phase1_chunks"]
     ws = lambda *shape, dt: jax.ShapeDtypeStruct((n_chunks, heads, *shape), dt)  # noqa: E731
     shapes = dict(w=ws(chunk, dk, dt=jnp.bfloat16), qd=ws(chunk, dk, dt=jnp.bfloat16),
                   wq=ws(2 * chunk, dk, dt=jnp.bfloat16),
@@ -315,10 +313,9 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
                           per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr,
                           early_stores=tuning["phase1_early_stores"], wq_interleaved=wq,
-                          v_early=tuning["phase1_v_early"], heads_first=tuning["phase1_heads_first"]),
+                          v_early=tuning["phase1_v_early"]),
         out_shape=[shapes[name] for name in workspace_names(wq)],
-        grid=(heads, blocks) if tuning["phase1_heads_first"] else (blocks, heads), interpret=interpret,
-        name="kda_prefill_phase1",
+        grid=(n_chunks // tuning["phase1_chunks"], heads), interpret=interpret, name="kda_prefill_phase1",
         compiler_params=compiler_params(tuning["phase1_warps"], tuning["phase1_stages"]),
     )(t0, eos, end, a_log_arr, q, k, v, g, beta)
 
