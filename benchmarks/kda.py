@@ -50,8 +50,9 @@ DK = DV = 128
 WIDTH = 4
 TUNINGS = [dict(phases=1, chunk=32, block_v=128, num_warps=8, num_stages=2)]  # the best one-phase tuning so far
 # two-phase, around the default (chunk 16, tile 64, phase 2 three stages deep; these entries take the
-# default's other keys, early stores, v first and the transposed phase 2 included): phase 1's warps (2 won on 2026-12-01 without early stores, 4 since
-# 2026-12-03 with them), chunks per program and stages, its inverse, u0 in bf16. Chunk 64
+# default's other keys, early stores, v first, e^(G_C) ahead and the transposed phase 2 included): phase 1's
+# warps (2 won on 2026-12-01 without early stores, 4 since 2026-12-03 with them), chunks per program and
+# stages, its inverse, u0 in bf16 (the default since 2026-12-04) or fp32. Chunk 64
 # (9-11 ms), chunk 32 (2.68-3.4 ms), value tiles of 32 or 128 (3.0-3.2 ms) and phase 1 at 1 warp lost in
 # the earlier sweeps and are left out.
 TWO_PHASE_TUNINGS = [dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=3, phase1_warps=w1,

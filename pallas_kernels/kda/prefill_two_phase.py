@@ -38,7 +38,8 @@ choff[n] .. choff[n] + ceil(len_n / C) - 1):
         the H200 the bf16 store left the errors against the fp32 reference unchanged at every benchmark
         shape (6.8e-3 / 4.7e-3 relative on o / final state at (1, 8192, 96)) while saving a third of the
         workspace traffic: 1.382 against 1.463 ms there, 1.191 against 1.218 at (16, 4096, 12);
-    e^(G_C) [K, 1] in fp32: it multiplies the fp32 state once per chunk.
+    e^(G_C) in fp32, a row [1, K] for the transposed phase 2 (a column [K, 1] otherwise): it multiplies the
+        fp32 state once per chunk.
 """
 
 from __future__ import annotations
