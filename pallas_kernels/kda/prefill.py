@@ -47,17 +47,13 @@ from pallas_kernels.kda.common import (
     sigmoid_fast,
 )
 
-# Best of the H200 sweeps (docs/benchmarks.md, 2026-11-29 to 2026-12-03): two phases at chunk 16, value tiles
-# of 64, phase 1 at 4 warps with the series inverse, early stores and v loaded first, phase 2 on the transposed
-# state with its loop's loads pipelined three stages deep (num_stages = 3: 1.234 against 1.407 ms at
-# (16, 4096, 12), 1.460 against 1.615 at (1, 8192, 96), H200 2026-12-03; the one-phase kernel at chunk 32
-# compiled and passed its GPU checks at 3 stages, not timed) but for e^(G_C), loaded a chunk ahead in
-# registers, and u0 kept in bf16 (2026-12-04).
-# chunk, block_v, num_warps, num_stages apply to the serial kernel (phase 2, or the one-phase kernel);
-# phase1_warps, phase1_stages, phase1_chunks (chunks per program) to the parallel phase 1; u0_bf16 (on by
-# default since 2026-12-04: 1.382 against 1.463 ms at (1, 8192, 96), same errors) stores its u0 workspace in
-# bf16. One-phase chunks are limited by the gate bound (chunk 32 keeps the anchored
-# factors within e^80 at -5).
+# Best of the H200 sweeps (docs/benchmarks.md, 2026-11-29 to 2026-12-04): two phases at chunk 16, value tiles
+# of 64; phase 2 on the transposed state with its loop's loads pipelined three stages deep by Triton
+# (num_stages = 3; the one-phase kernel at chunk 32 passed its GPU checks at 3 stages, not timed). The
+# two-phase keys (phase 1's launch and inverse, the workspaces' precision and prefetch) are described at
+# two_phase.TWO_PHASE_DEFAULTS. chunk, block_v, num_warps, num_stages apply to the serial kernel (phase 2, or
+# the one-phase kernel). One-phase chunks are limited by the gate bound (chunk 32 keeps the anchored factors
+# within e^80 at -5).
 TUNING = dict(phases=2, chunk=16, block_v=64, num_warps=4, num_stages=3, **two_phase.TWO_PHASE_DEFAULTS)
 MAX_WORKSPACE_BYTES = 4 << 30  # above this the default falls back to one phase (see the module docstring)
 MAX_ANCHOR_EXPONENT = 80.0  # e^80 = 5.5e34 < bf16/fp32 max 3.4e38, with room for |q|, |k| <= 1

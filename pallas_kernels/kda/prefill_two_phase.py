@@ -66,41 +66,29 @@ from pallas_kernels.kda.common import (
 )
 
 MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp32 max with |q|, |k| <= 1
-# phase 1 at 4 warps with early stores (the default since 2026-12-03): 2.196 ms against 2.344 at 2 warps (the
-# earlier default) and 2.470 at 2 warps with early stores at (1, 8192, 96); 2.005 against 2.018 at
-# (16, 4096, 12); H200, same runs (docs/benchmarks.md). Offline, early stores take phase 1 at 4 warps from 168
-# to 128 registers (16 warps per SM). Without early stores (and with the substitution inverse), 4 warps lost
-# to 2: 2.67 against 2.21 ms (2026-12-01).
-# phase1_inverse: "series" (the default: the whole chunk's (I + A)^-1 as (I - A)(I + A^2)...: 2 log2(C) - 2
-# matmuls, TF32 on the GPU, as the one-phase kernel does; 2.277 against 2.641 ms with "substitution" at
-# (1, 8192, 96), the same errors against the fp32 reference, H200 2026-12-02) or "substitution" (exact fp32,
-# elementwise, C - 1 row steps with cross-warp reductions; see the module docstring).
-# phase2_transposed (the default since 2026-12-02): phase 2 keeps the state transposed, S^T [BV, K], so that
-# every product on its serial chain has the register-resident operand (S^T, then u^T) on the left: an MMA
-# accumulator can feed the next MMA's A operand in registers, with M = BV rows instead of the chunk's 16.
-# Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V] and phase 2 transposes its tile (phase 1
-# writing u0^T by a transposed product ran 1.20x slower at (1, 8192, 96), and even at (16, 4096, 12)).
-# phase1_early_stores: see _phase1_kernel. These defaults are the two-phase variant's own tuning keys;
-# prefill.TUNING adds the keys both variants share.
-# wq_interleaved (transposed phase 2 only): phase 1 writes w and q_dec as one [2C, K] workspace, their rows
-# interleaved (w_0, q_dec_0, w_1, ...), and phase 2 makes both of its products with the state, S^T w^T and
-# S^T q_dec^T, as one MMA of N = 2C, split by columns in registers: one MMA group and one wait fewer on the
-# serial chain per chunk (the offline build's SASS: 8 HGMMA of 64x32 in place of two groups of 8 of 64x16).
-# The same products, each summed in the same order. Off: on the H200 it gained 4% at (1, 8192, 96) and lost
-# 25% at (16, 4096, 12) (2.254 / 2.344 and 2.532 / 2.018 ms, 2026-12-03).
-# phase2_prefetch: the workspaces phase 2 loads one chunk ahead into registers (`common.serial_chunks`), so
-# that its serial chain does not wait on them. For the tiles of w, q_dec, k_tail and M, Triton's own
-# pipelining of the loop's loads (prefill.TUNING num_stages = 3: async copies into shared memory, two chunks
-# ahead, no registers carried) beat it at both grid sizes, H200, device time, same runs: (1, 8192, 96), 192
-# programs: 1.460 ms against 1.615 with all six ahead (num_stages 2); (16, 4096, 12), 384 programs: 1.234
-# against 1.407 with none ahead at num_stages 2 and 1.318 with M and e^(G_C) ahead. (u0 Triton prefetches
-# into registers itself.) But the pipeliner leaves e^(G_C)'s [1, K] row as a plain load inside the loop,
-# waited on in the same chunk (offline TTGIR), so the default since 2026-12-04 takes that one ahead:
-# ("dec",), 164 registers; phase 2 632 -> 581 us (Nsight Compute), the prefill 1.368 -> 1.342 ms at
-# (1, 8192, 96) and 1.179 -> 1.173 at (16, 4096, 12), H200 device time, same run.
-# phase1_v_early (the default since 2026-12-03): see _phase1_kernel; 802 against 833 us for phase 1 at
-# (16, 4096, 12) (Nsight Compute, same run).
-# u0_bf16 (the default since 2026-12-04): see the module docstring; H200 device time, same runs, 2026-12-04.
+# The two-phase variant's own tuning keys (prefill.TUNING adds the keys both variants share). Each default
+# won its H200 comparison, same run, device time; the numbers and the losing alternatives are in
+# docs/benchmarks.md under the date given.
+# phase1_warps (4; 2026-12-03), phase1_stages, phase1_chunks: phase 1's launch, and chunks per program (a
+#     loop Triton can pipeline with phase1_stages > 1; it lost: 168 registers, 3 blocks per SM).
+# phase1_inverse: "series" ((I + A)^-1 = (I - A)(I + A^2)... by 2 log2(C) - 2 TF32 matmuls, as the one-phase
+#     kernel does; 14% faster, same errors, 2026-12-02) or "substitution" (exact fp32, elementwise; see the
+#     module docstring).
+# phase1_early_stores, phase1_v_early: see _phase1_kernel (at 4 warps, 128 registers instead of 168;
+#     2026-12-03).
+# u0_bf16: see the module docstring (2026-12-04).
+# phase2_transposed: phase 2 carries S^T [BV, K], so that the operand in registers (S^T, then u^T) is the
+#     left one of every product on its serial chain: wgmma with BV rows, its A operand in registers
+#     (2026-12-02). Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V], phase 2 transposes its tile
+#     (phase 1 writing u0^T by a transposed product was 1.20x slower).
+# wq_interleaved (transposed only): w and q_dec in one [2C, K] workspace, rows interleaved, so that S^T w^T
+#     and S^T q_dec^T are one MMA of N = 2C split by columns in registers (one wait fewer per chunk). Off: it
+#     costs phase 2 up to 190 registers, 2 blocks per SM (2026-12-03, 2026-12-04).
+# phase2_prefetch: the workspaces phase 2 loads one chunk ahead into registers (`common.serial_chunks`).
+#     Triton's own pipelining (prefill.TUNING num_stages = 3: async copies into shared memory two chunks
+#     ahead; u0 it prefetches into registers itself) beat that for w, q_dec, k_tail and M (2026-12-03), but
+#     it leaves e^(G_C)'s [1, K] row as a plain load waited on in the same chunk (offline TTGIR), so the
+#     default takes that one ahead: phase 2 632 -> 581 us at (1, 8192, 96) (2026-12-04).
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=True, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
                           phase2_prefetch=("dec",), phase1_v_early=True)
