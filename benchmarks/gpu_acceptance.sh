@@ -53,12 +53,13 @@ esac
 case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults), with checks
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
-case $STEPS in *7*)  # the eleventh session's default (u0 in bf16) and its candidates at both target shapes:
-  # phase 2 loads e^(G_C) one chunk ahead in registers (Triton's pipeliner leaves that [1, K] row's load in the
-  # loop, waited on each chunk; the four other workspaces stay async copies), at 3 and 4 stages
+case $STEPS in *7*)  # the twelfth session's candidate for the last 3% at (1, 8192, 96): u0 loaded a chunk ahead
+  # in registers too. Triton's own register prefetch of u0 issues the load after the chunk's o store, about
+  # 150 instructions (one HGMMA wait) before its use at the top of the next chunk (offline SASS); ours issues
+  # it at the top of the chunk before (166 registers offline, 3 blocks per SM); at 3 and 4 stages
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
     --prefill-shapes ${SHAPES_7:-1x8192x96,16x4096x12} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"phase2_prefetch": ["dec"]}, {"phase2_prefetch": ["dec"], "num_stages": 4}]' ;;
+    --tunings '[{}, {"phase2_prefetch": ["dec", "u0"]}, {"phase2_prefetch": ["dec", "u0"], "num_stages": 4}]' ;;
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \
