@@ -38,6 +38,7 @@ from kimik3_jax.ops.kda import kda_chunked, l2_normalize
 from kimik3_jax.ops.kda import kda_decode as kda_decode_ref
 from pallas_kernels.kda import decode as pdecode
 from pallas_kernels.kda import prefill as pprefill
+from pallas_kernels.kda import prefill_two_phase as two_phase
 from timing import device_seconds  # benchmarks/timing.py (this script's directory is on sys.path)
 
 PREFILL_SHAPES = [(1, 8192, 96), (1, 32768, 96), (8, 2048, 12), (16, 4096, 12)]
@@ -71,9 +72,9 @@ def prefill_bytes(b, t, h, tuning):
         return base
     c, tiles = tn["chunk"], DV // min(tn["block_v"], DV)
     n_chunks = b * -(-t // c)
-    shared = n_chunks * h * (c * (3 * DK * 2 + c * 2) + DK * 4)  # w, q_dec, k_tail, M (bf16), e^(G_C) (fp32)
-    u0 = n_chunks * h * c * DV * (2 if tn["u0_bf16"] else 4)  # bf16 by default, fp32 with u0_bf16 off
-    return base + (shared + u0) + (shared * tiles + u0)
+    written = two_phase.workspace_bytes(n_chunks, h, c, DK, DV, tn["u0_bf16"])
+    shared = two_phase.workspace_bytes(n_chunks, h, c, DK, 0, tn["u0_bf16"])  # all but u0: read once per tile
+    return base + written + shared * tiles + (written - shared)
 
 
 def bench_jax(f, *args, reps=20):

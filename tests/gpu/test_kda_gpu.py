@@ -3,10 +3,10 @@ scan in fp32 on the same bf16-rounded inputs: outputs and final states at bf16 l
 unequal lengths with their chunk-boundary checkpoints; the fused decode step on a slot pool (whole V per
 program and split over value tiles of 32 and 64). The prefill tests run the default (two phases, chunk 16,
 u0 in bf16, phase 2 on the transposed state, its loads pipelined by Triton but for e^(G_C), loaded a chunk
-ahead in registers) at every shape, and the one-phase kernel,
-the two-phase variant at chunk 64, the one with phase 2 on the untransposed state and the one with phase 2's
-loads carried one chunk ahead in registers on the small shapes and the packed sequences (the untransposed
-one at the gate-bound benchmark shape too).
+ahead in registers) at every shape, and the one-phase kernel, the two-phase variant at chunk 64, the one
+with phase 2 on the untransposed state and the one with all of phase 2's loads carried one chunk ahead in
+registers on the small shapes and the packed sequences (the untransposed one at the gate-bound benchmark
+shape too).
 
 Run with XLA_FLAGS=--xla_gpu_autotune_level=0: the references' fp32 matmuls otherwise spend most of the
 file's time in XLA's GEMM autotuner (the Pallas kernels are not autotuned)."""
@@ -43,9 +43,9 @@ def inputs(b, t, h, seed=0, gate="random"):
 GATE = dict(lower_bound=-5.0, qk_norm=True)
 # None: the default (two phases, chunk 16, value tiles of 64, phase 1's inverse by the matmul series and v
 # loaded first, u0 in bf16, phase 2's loads pipelined by Triton three stages deep, e^(G_C) a chunk ahead in
-# registers); the one-phase kernel at chunk 32 whole
-# V; two phases at chunk 64 with the exact substitution inverse; phase 2 on the untransposed state; the
-# previous default at 192 programs (every workspace loaded one chunk ahead into registers, two stages)
+# registers); the one-phase kernel at chunk 32 whole V; two phases at chunk 64 with the exact substitution
+# inverse; phase 2 on the untransposed state; an earlier default at 192 programs (every workspace loaded one
+# chunk ahead into registers, two stages)
 PREFILL_TUNINGS = [None, dict(phases=1, chunk=32, block_v=128, num_warps=8),
                    dict(phases=2, chunk=64, block_v=64, num_warps=4, phase1_inverse="substitution"),
                    dict(phases=2, phase2_transposed=False),
