@@ -88,10 +88,14 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 #     Triton's own pipelining (prefill.TUNING num_stages = 3: async copies into shared memory two chunks
 #     ahead; u0 it prefetches into registers itself) beat that for w, q_dec, k_tail and M (2026-12-03), but
 #     it leaves e^(G_C)'s [1, K] row as a plain load waited on in the same chunk (offline TTGIR), so the
-#     default takes that one ahead: phase 2 632 -> 581 us at (1, 8192, 96) (2026-12-04).
+#     default takes that one ahead: phase 2 632 -> 581 us at (1, 8192, 96) (2026-12-04, twelfth session).
+#     u0 Triton does prefetch into registers, but it issues that load after the chunk's o store, about 150
+#     SASS instructions before its use; taking it a whole chunk ahead too (166 registers, 3 blocks per SM):
+#     phase 2 578 -> 552 us, the whole prefill 1.342 -> 1.304 ms at (1, 8192, 96) and 1.162 -> 1.131 at
+#     (16, 4096, 12) (2026-12-04, thirteenth session).
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=True, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
-                          phase2_prefetch=("dec",), phase1_v_early=True)
+                          phase2_prefetch=("dec", "u0"), phase1_v_early=True)
 
 
 def sub_block(chunk: int) -> int:

@@ -42,10 +42,10 @@ def inputs(b, t, h, seed=0, gate="random"):
 
 GATE = dict(lower_bound=-5.0, qk_norm=True)
 # None: the default (two phases, chunk 16, value tiles of 64, phase 1's inverse by the matmul series and v
-# loaded first, u0 in bf16, phase 2's loads pipelined by Triton three stages deep, e^(G_C) a chunk ahead in
-# registers); the one-phase kernel at chunk 32 whole V; two phases at chunk 64 with the exact substitution
-# inverse; phase 2 on the untransposed state; an earlier default at 192 programs (every workspace loaded one
-# chunk ahead into registers, two stages)
+# loaded first, u0 in bf16, phase 2's loads pipelined by Triton three stages deep, e^(G_C) and u0 a chunk
+# ahead in registers); the one-phase kernel at chunk 32 whole V; two phases at chunk 64 with the exact
+# substitution inverse; phase 2 on the untransposed state; an earlier default at 192 programs (every
+# workspace loaded one chunk ahead into registers, two stages)
 PREFILL_TUNINGS = [None, dict(phases=1, chunk=32, block_v=128, num_warps=8),
                    dict(phases=2, chunk=64, block_v=64, num_warps=4, phase1_inverse="substitution"),
                    dict(phases=2, phase2_transposed=False),
