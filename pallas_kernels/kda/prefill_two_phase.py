@@ -150,17 +150,19 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         v_first = load_v() if v_early or not early_stores else None  # kept in bf16 until u0 needs it
         g = plt.load(g_ref.at[pl.ds(t0, chunk), h, :], mask=mk, other=0.0).astype(f32)
         beta = plt.load(b_ref.at[pl.ds(t0, chunk), h], mask=inb[:, 0], other=0.0).astype(f32)[:, None]
+        # g in log2 units from here, so that every e^x below is one exp2 (the scale folded into the bound's)
         if gate:
-            g = lower_bound * sigmoid_fast(exp_fast(alog_ref[h].astype(f32)) * g)
-        if qk_norm:
-            q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk ** -0.5
+            g = (lower_bound * LOG2E) * sigmoid_fast(exp_fast(alog_ref[h].astype(f32)) * g)
+        else:
+            g = g * LOG2E
+        if qk_norm:  # the scales per row, then one product per element
+            q = q * (jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk ** -0.5)
             k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
         g = jnp.where(real, g, 0.0)
         beta = jnp.where(real, beta, 0.0)
 
-        # in log2 units from here, so that every e^x below is one exp2: G_t (inclusive; non-increasing down
-        # the chunk) and the chunk's total, g_end [1, K] (as a column sum: one reduction, no row selection)
-        g = g * LOG2E
+        # G_t (inclusive; non-increasing down the chunk) and the chunk's total, g_end [1, K] (as a column sum:
+        # one reduction, no row selection)
         gc = jnp.cumsum(g, axis=0)
         outputs = {  # each workspace's value, built when stored
             "w": lambda: jnp.dot(inv, k * decay * beta, preferred_element_type=f32),
