@@ -3,8 +3,9 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 123456789 (default 1234), e.g. "13", "25", "4"
-# The next runs (docs/benchmarks.md, "Still to run"): "79" (candidates timed, and each prefill phase by
-# Nsight Compute), "2" (the best with both peers), "8" (MoE by device time). "1" is the KDA tests (480 s on a
+# The next runs (docs/benchmarks.md, "Still to run"): "79" with NCU_PREFILL='[{"chunk": 32, "phase1_pairs":
+# true}]' (candidates timed, and each prefill phase by Nsight Compute), "2" (the best with both peers), "8"
+# (MoE by device time). "1" is the KDA tests (480 s on a
 # cold machine; `-k "packed or prefill"` alone took 255 s on 2026-12-04).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
@@ -53,13 +54,12 @@ esac
 case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults), with checks
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
-case $STEPS in *7*)  # the twelfth session's candidate for the last 3% at (1, 8192, 96): u0 loaded a chunk ahead
-  # in registers too. Triton's own register prefetch of u0 issues the load after the chunk's o store, about
-  # 150 instructions (one HGMMA wait) before its use at the top of the next chunk (offline SASS); ours issues
-  # it at the top of the chunk before (166 registers offline, 3 blocks per SM); at 3 and 4 stages
+case $STEPS in *7*)  # the thirteenth session's candidate for the last 2.8% at (1, 8192, 96): chunk 32 in phase 2
+  # (half the serial steps) with phase 1 building each chunk from two halves of 16 (phase1_pairs: 180
+  # registers offline, 2 blocks per SM), against chunk 32 built directly (255 registers, spills)
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
     --prefill-shapes ${SHAPES_7:-1x8192x96,16x4096x12} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"phase2_prefetch": ["dec", "u0"]}, {"phase2_prefetch": ["dec", "u0"], "num_stages": 4}]' ;;
+    --tunings '[{}, {"chunk": 32, "phase1_pairs": true}, {"chunk": 32}]' ;;
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \

@@ -89,7 +89,12 @@ def run_prefill(x, **kw):
                                             (45, "bound", dict(TWO_SMALL, wq_interleaved=True,
                                                                phase2_prefetch=["wq", "u0", "kt", "m", "dec"])),
                                             (50, "random", dict(TWO_SMALL, phase2_transposed=False,
-                                                                phase2_prefetch=["w", "u0", "qd"]))])
+                                                                phase2_prefetch=["w", "u0", "qd"])),
+                                            (70, "random", dict(TWO_SMALL, chunk=32, phase1_pairs=True)),
+                                            (45, "bound", dict(TWO_SMALL, chunk=32, phase1_pairs=True)),
+                                            (37, "random", dict(TWO_SMALL, chunk=32, phase1_pairs=True,
+                                                                phase1_early_stores=False, u0_bf16=False)),
+                                            (70, "bound", dict(TWO_64, phase1_pairs=True))])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
     rng = np.random.default_rng([601, t])
     x = raw_inputs(rng, 2, t, gates)
@@ -122,12 +127,13 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
 @pytest.mark.parametrize("tuning", [pytest.param(SMALL, marks=pytest.mark.slow), TWO_SMALL,
                                     dict(TWO_SMALL, phase1_chunks=4), dict(TWO_SMALL, wq_interleaved=True),
                                     dict(TWO_SMALL, phase2_prefetch=["u0", "dec", "w"]),
-                                    dict(TWO_SMALL, phase1_v_early=False)],
+                                    dict(TWO_SMALL, phase1_v_early=False),
+                                    dict(TWO_SMALL, chunk=32, phase1_pairs=True)],
                          ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program", "two-phase-wq-interleaved",
-                              "two-phase-prefetch", "two-phase-v-late"])
+                              "two-phase-prefetch", "two-phase-v-late", "two-phase-pairs"])
 def test_packed_sequences_with_own_states_and_checkpoints(tuning):
-    lens = [37, 1, 70, 16, 0, 33]
-    cp = 16
+    lens = [37, 1, 70, 16, 0, 33]  # at chunk 32: chunks with an empty second half, and a lone first half
+    cp = tuning["chunk"]
     cu = np.concatenate([[0], np.cumsum(lens)])
     rng = np.random.default_rng(603)
     x = raw_inputs(rng, 1, int(cu[-1]), "random", n_states=len(lens))
@@ -233,6 +239,8 @@ def test_two_phase_packed_chunks_and_limits():
         k.supports(*args, tuning=dict(phases=2, wq_interleaved=True, phase2_prefetch=["w"]), **kw)
     with pytest.raises(impl_mod.Unsupported, match="phase2_prefetch"):  # a name, not a list of names
         k.supports(*args, tuning=dict(phases=2, phase2_prefetch="u0"), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="phase1_pairs"):  # halves of 8 rows
+        k.supports(*args, tuning=dict(phases=2, chunk=16, phase1_pairs=True), **kw)
 
 
 def test_default_falls_back_to_one_phase_past_the_workspace_cap(monkeypatch):

@@ -84,6 +84,12 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # wq_interleaved (transposed only): w and q_dec in one [2C, K] workspace, rows interleaved, so that S^T w^T
 #     and S^T q_dec^T are one MMA of N = 2C split by columns in registers (one wait fewer per chunk). Off: it
 #     costs phase 2 up to 190 registers, 2 blocks per SM (2026-12-03, 2026-12-04).
+# phase1_pairs: phase 1 builds each chunk from its two halves, each computed as a chunk of half the rows and
+#     then merged (`_merge_halves`), for chunk 32 in phase 2: half the serial steps, its loop 390 SASS
+#     instructions per 32 tokens against 322 per 16 (offline, 2026-12-04). Phase 1 at chunk 32 directly takes
+#     255 registers and spills; with pairs 180 (2 blocks per SM), though half a alone compiles to 128: the
+#     compiler keeps values shared by the halves (likely the [n, K] address offsets) live from a through b.
+#     The same as a two-iteration loop: 232. Not yet timed (docs/benchmarks.md, "Still to run").
 # phase2_prefetch: the workspaces phase 2 loads one chunk ahead into registers (`common.serial_chunks`).
 #     Triton's own pipelining (prefill.TUNING num_stages = 3: async copies into shared memory two chunks
 #     ahead; u0 it prefetches into registers itself) beat that for w, q_dec, k_tail and M (2026-12-03), but
@@ -95,7 +101,7 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 #     (16, 4096, 12) (2026-12-04, thirteenth session).
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=True, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
-                          phase2_prefetch=("dec", "u0"), phase1_v_early=True)
+                          phase2_prefetch=("dec", "u0"), phase1_v_early=True, phase1_pairs=False)
 
 
 def sub_block(chunk: int) -> int:
@@ -114,7 +120,7 @@ def workspace_names(wq_interleaved: bool) -> tuple[str, ...]:
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs, chunk,
                    lower_bound, gate, qk_norm, per_program, inverse, transposed, early_stores, wq_interleaved,
-                   v_early):
+                   v_early, pairs, interpret):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
     (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1).
     early_stores: each workspace is stored as soon as it is known and v is loaded only for u0, so that fewer
@@ -122,16 +128,18 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
     same values either way. v_early (with early_stores): v is loaded with q, k and g and held in bf16 until
     u0, so that its load's latency overlaps the chunk's other work (Nsight Compute, (16, 4096, 12): 7.5% of
     phase 1's stall samples waited on the late load; offline, the same 128 registers). wq_interleaved: w
-    and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one [2C, K] workspace."""
+    and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one [2C, K] workspace. pairs: each chunk is
+    built from its two halves (`_merge_halves`)."""
     cb, h = pl.program_id(0), pl.program_id(1)
     rows_of = {name: (ref, slice(None)) for name, ref in zip(workspace_names(wq_interleaved), out_refs)}
     if wq_interleaved:  # w and q_dec: the even and the odd rows of wq
         wq = rows_of["wq"][0]
         rows_of.update(w=(wq, pl.ds(0, chunk, stride=2)), qd=(wq, pl.ds(1, chunk, stride=2)))
 
-    def one(c):
+    def one(t0, eos, end, chunk, emit):
+        """The workspaces of the `chunk` rows from t0; `emit(outputs, *names)` stores them (each value a
+        thunk in `outputs`) as soon as they are known."""
         f32, bf16 = jnp.float32, jnp.bfloat16
-        t0, eos, end = t0_ref[c], eos_ref[c], end_ref[c]
         dk, dv = q_ref.shape[-1], v_ref.shape[-1]
         sub = sub_block(chunk)
         nsub = chunk // sub
@@ -174,10 +182,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             "dec": lambda: jnp.exp2(g_end) if transposed else jnp.exp2(g_end).T,
         }
 
-        def store(*names):
-            for name in names:
-                ref, rows_ = rows_of[name]
-                ref[c, h, rows_] = outputs[name]().astype(ref.dtype)
+        store = functools.partial(emit, outputs)
 
         if early_stores:
             decay, g_end = jnp.exp2(gc), jnp.sum(g, axis=0, keepdims=True)
@@ -228,10 +233,85 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             decay, g_end = jnp.exp2(gc), jnp.sum(g, axis=0, keepdims=True)
             store("w", "u0", "qd", "kt", "m", "dec")
 
+    def whole(c):
+        def emit(outputs, *names):
+            for name in names:
+                ref, rows_ = rows_of[name]
+                ref[c, h, rows_] = outputs[name]().astype(ref.dtype)
+
+        if pairs:
+            _merge_halves(functools.partial(one, chunk=chunk // 2), out_refs, c, h, t0_ref[c], eos_ref[c],
+                          end_ref[c], chunk // 2, interpret)
+        else:
+            one(t0_ref[c], eos_ref[c], end_ref[c], chunk, emit)
+
     if per_program == 1:
-        one(cb)
+        whole(cb)
     else:
-        jax.lax.fori_loop(0, per_program, lambda i, carry: (one(cb * per_program + i), carry)[1], 0)
+        jax.lax.fori_loop(0, per_program, lambda i, carry: (whole(cb * per_program + i), carry)[1], 0)
+
+
+def _merge_halves(half, out_refs, c, h, t0, eos, end, n, interpret):
+    """Chunk c's workspaces (2n rows) from its halves a (rows t0 ..) and b (rows t0 + n ..), each computed
+    as a chunk of n rows by `half(t0, eos, end, emit)`. With a's state update S_a = e^(G_a) S + kt_a^T u_a,
+    u_a = u0_a - w_a S and P = w_b kt_a^T [n, n], the whole chunk's (its decays from its own start, its
+    tails to its own end):
+        w = [w_a; w_b e^(G_a) - P w_a]      u0 = [u0_a; u0_b - P u0_a]      q_dec = [q_dec_a; q_dec_b e^(G_a)]
+        k_tail = [kt_a e^(G_b); kt_b]       M = [[M_a, 0], [q_dec_b kt_a^T, M_b]]       e^(G_C) = e^(G_a) e^(G_b)
+    since u_b = u0_b - w_b S_a, o_b = q_dec_b S_a + M_b u_b and S' = e^(G_b) S_a + kt_b^T u_b. Every factor
+    is a decay (<= 1) or a product of the halves' own bounded values, so the halves' exponent bounds hold
+    (n rows each). Half a's tiles go to memory as soon as they are known and come back (L2) for the merge,
+    behind a CTA barrier, so that no [n, K] tile of a stays in registers through b. The products take bf16
+    operands (w_a, u0_a, kt_a as stored; P, q_dec_b rounded), as phase 2 would at chunk n; kt_a e^(G_b) is
+    rounded twice (kt_a, then the product). Needs the transposed phase 2's row e^(G_C) and separate w and
+    q_dec."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref = out_refs
+    lo, hi = pl.ds(0, n), pl.ds(n, n)
+    sync = (lambda: None) if interpret else plt.debug_barrier  # CTA barrier: stores before other threads' reads
+    dec = {}
+
+    def emit_a(outputs, *names):
+        for name in names:
+            val = outputs[name]()
+            if name == "dec":
+                dec["a"] = val
+            elif name == "m":
+                m_ref[c, h, lo, lo] = val.astype(m_ref.dtype)
+                m_ref[c, h, lo, hi] = jnp.zeros_like(val).astype(m_ref.dtype)
+            else:  # kt_a for now; its factor e^(G_b) after b
+                ref = dict(w=w_ref, u0=u0_ref, qd=qd_ref, kt=kt_ref)[name]
+                ref[c, h, lo] = val.astype(ref.dtype)
+
+    half(t0, eos, end, emit=emit_a)
+    sync()
+    p = {}
+
+    def emit_b(outputs, *names):
+        for name in names:
+            val = outputs[name]()
+            if name == "dec":
+                dec["b"] = val
+                dec_ref[c, h] = (dec["a"] * val).astype(dec_ref.dtype)
+            elif name == "kt":
+                kt_ref[c, h, hi] = val.astype(kt_ref.dtype)
+            elif name == "m":
+                m_ref[c, h, hi, hi] = val.astype(m_ref.dtype)
+            elif name == "qd":
+                qd_ref[c, h, hi] = (val * dec["a"]).astype(qd_ref.dtype)
+                m_ref[c, h, hi, lo] = dot_nt(val.astype(bf16), kt_ref[c, h, lo].astype(bf16)).astype(m_ref.dtype)
+            elif name == "w":
+                p["w_b kt_a^T"] = dot_nt(val.astype(bf16), kt_ref[c, h, lo].astype(bf16)).astype(bf16)
+                w_ref[c, h, hi] = (val * dec["a"] - jnp.dot(p["w_b kt_a^T"], w_ref[c, h, lo].astype(bf16),
+                                                             preferred_element_type=f32)).astype(w_ref.dtype)
+            else:  # u0, after w
+                u0_ref[c, h, hi] = (val - jnp.dot(p["w_b kt_a^T"], u0_ref[c, h, lo].astype(bf16),
+                                                  preferred_element_type=f32)).astype(u0_ref.dtype)
+
+    half(t0 + n, eos, end, emit=emit_b)
+    kt_a = kt_ref[c, h, lo].astype(f32)
+    sync()  # every thread has read kt_a (here and for b's products) before it is overwritten
+    kt_ref[c, h, lo] = (kt_a * dec["b"]).astype(kt_ref.dtype)
 
 
 def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, transposed,
@@ -308,7 +388,7 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
                           per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr,
                           early_stores=tuning["phase1_early_stores"], wq_interleaved=wq,
-                          v_early=tuning["phase1_v_early"]),
+                          v_early=tuning["phase1_v_early"], pairs=tuning["phase1_pairs"], interpret=interpret),
         out_shape=[shapes[name] for name in workspace_names(wq)],
         grid=(n_chunks // tuning["phase1_chunks"], heads), interpret=interpret, name="kda_prefill_phase1",
         compiler_params=compiler_params(tuning["phase1_warps"], tuning["phase1_stages"]),
@@ -336,8 +416,12 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
 
 
 def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series", phase2_transposed=True,
-          wq_interleaved=False, phase2_prefetch=()):
+          wq_interleaved=False, phase2_prefetch=(), phase1_pairs=False):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
+    if phase1_pairs and (chunk < 32 or wq_interleaved or not phase2_transposed):
+        raise unsupported("kda_prefill two-phase kernel: phase1_pairs needs chunk >= 32, phase2_transposed "
+                          f"and separate w and q_dec (chunk {chunk}, wq_interleaved {wq_interleaved}, "
+                          f"phase2_transposed {phase2_transposed})")
     names = workspace_names(wq_interleaved)
     if isinstance(phase2_prefetch, str) or set(phase2_prefetch) - set(names):
         raise unsupported(f"kda_prefill two-phase kernel: phase2_prefetch = {phase2_prefetch!r} is not a "
