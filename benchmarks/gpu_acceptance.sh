@@ -55,8 +55,8 @@ case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split aroun
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
 esac
 case $STEPS in *7*)  # the thirteenth session's candidate for the last 2.8% at (1, 8192, 96): chunk 32 in phase 2
-  # (half the serial steps) with phase 1 building each chunk from two halves of 16 (phase1_pairs: 180
-  # registers offline, 2 blocks per SM), against chunk 32 built directly (255 registers, spills)
+  # (half the serial steps) with phase 1 building each chunk from two halves of 16 (phase1_pairs: 168
+  # registers offline, 3 blocks per SM), against chunk 32 built directly (255 registers, spills)
   step 7-kda-candidates ${LIMIT_7:-300} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
     --prefill-shapes ${SHAPES_7:-1x8192x96,16x4096x12} --json "$OUT/kda_candidates.json" \
     --tunings '[{}, {"chunk": 32, "phase1_pairs": true}, {"chunk": 32}]' ;;
