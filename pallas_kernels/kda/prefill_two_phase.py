@@ -87,9 +87,9 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # phase1_pairs: phase 1 builds each chunk from its two halves, each computed as a chunk of half the rows and
 #     then merged (`_merge_halves`), for chunk 32 in phase 2: half the serial steps, its loop 390 SASS
 #     instructions per 32 tokens against 322 per 16 (offline, 2026-12-04). Phase 1 at chunk 32 directly takes
-#     255 registers and spills; with pairs 168 (3 blocks per SM; half a alone compiles to 128, the rest is
-#     values the compiler shares between the halves, see `_merge_halves`). The same as a two-iteration loop:
-#     232 (loop-invariant address tensors hoisted). Not yet timed (docs/benchmarks.md, "Still to run").
+#     255 registers and spills; with pairs 168 (3 blocks per SM). Half a alone compiles to 128; with b after
+#     it ptxas peaks inside half a, for reasons not found (docs/benchmarks.md). The same as a two-iteration
+#     loop: 232 (loop-invariant address tensors hoisted). Not yet timed (docs/benchmarks.md, "Still to run").
 # phase2_prefetch: the workspaces phase 2 loads one chunk ahead into registers (`common.serial_chunks`).
 #     Triton's own pipelining (prefill.TUNING num_stages = 3: async copies into shared memory two chunks
 #     ahead; u0 it prefetches into registers itself) beat that for w, q_dec, k_tail and M (2026-12-03), but
