@@ -82,8 +82,8 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 #     (2026-12-02). Phase 1 then writes e^(G_C) as a row [1, K]; u0 stays [C, V], phase 2 transposes its tile
 #     (phase 1 writing u0^T by a transposed product was 1.20x slower).
 # wq_interleaved (transposed only): w and q_dec in one [2C, K] workspace, rows interleaved, so that S^T w^T
-#     and S^T q_dec^T are one MMA of N = 2C split by columns in registers (one wait fewer per chunk). Off: it
-#     costs phase 2 up to 190 registers, 2 blocks per SM (2026-12-03, 2026-12-04).
+#     and S^T q_dec^T are one MMA of N = 2C split by columns in registers (one wait fewer per chunk). Off:
+#     with today's prefetch it is 11% slower at (1, 8192, 96), at 168 registers (190 before), 2026-12-04.
 # phase1_pairs: phase 1 builds each chunk from its two halves, each computed as a chunk of half the rows and
 #     then merged (`_merge_halves`), for chunk 32 in phase 2: half the serial steps, its loop 390 SASS
 #     instructions per 32 tokens against 322 per 16 (offline, 2026-12-04). Phase 1 at chunk 32 directly takes
@@ -234,16 +234,17 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             store("w", "u0", "qd", "kt", "m", "dec")
 
     def whole(c):
+        if pairs:
+            _merge_halves(functools.partial(one, chunk=chunk // 2), out_refs, c, h, t0_ref[c], eos_ref[c],
+                          end_ref[c], chunk // 2, interpret)
+            return
+
         def emit(outputs, *names):
             for name in names:
                 ref, rows_ = rows_of[name]
                 ref[c, h, rows_] = outputs[name]().astype(ref.dtype)
 
-        if pairs:
-            _merge_halves(functools.partial(one, chunk=chunk // 2), out_refs, c, h, t0_ref[c], eos_ref[c],
-                          end_ref[c], chunk // 2, interpret)
-        else:
-            one(t0_ref[c], eos_ref[c], end_ref[c], chunk, emit)
+        one(t0_ref[c], eos_ref[c], end_ref[c], chunk, emit)
 
     if per_program == 1:
         whole(cb)
@@ -266,7 +267,8 @@ def _merge_halves(half, out_refs, c, h, t0, eos, end, n, interpret):
     rounded twice (kt_a, then the product). Needs the transposed phase 2's row e^(G_C) and separate w and
     q_dec."""
     f32, bf16 = jnp.float32, jnp.bfloat16
-    w_ref, u0_ref, qd_ref, kt_ref, m_ref, dec_ref = out_refs
+    refs = dict(zip(workspace_names(False), out_refs))
+    w_ref, u0_ref, kt_ref, m_ref, dec_ref = (refs[name] for name in ("w", "u0", "kt", "m", "dec"))
     lo, hi = pl.ds(0, n), pl.ds(n, n)
     sync = (lambda: None) if interpret else plt.debug_barrier  # CTA barrier: stores before other threads' reads
     dec = {}
@@ -279,9 +281,8 @@ def _merge_halves(half, out_refs, c, h, t0, eos, end, n, interpret):
             elif name == "m":
                 m_ref[c, h, lo, lo] = val.astype(m_ref.dtype)
                 m_ref[c, h, lo, hi] = jnp.zeros_like(val).astype(m_ref.dtype)
-            else:  # kt_a for now; its factor e^(G_b) after b
-                ref = dict(w=w_ref, u0=u0_ref, qd=qd_ref, kt=kt_ref)[name]
-                ref[c, h, lo] = val.astype(ref.dtype)
+            else:  # w, u0, q_dec as they are; kt_a for now, its factor e^(G_b) after b
+                refs[name][c, h, lo] = val.astype(refs[name].dtype)
 
     half(t0, eos, end, emit=emit_a)
     sync()
@@ -303,7 +304,7 @@ def _merge_halves(half, out_refs, c, h, t0, eos, end, n, interpret):
             elif name == "m":
                 m_ref[c, h, hi, hi] = val.astype(m_ref.dtype)
             elif name == "qd":
-                qd_ref[c, h, hi] = (val * dec["a"]).astype(qd_ref.dtype)
+                refs["qd"][c, h, hi] = (val * dec["a"]).astype(refs["qd"].dtype)
                 m_ref[c, h, hi, lo] = dot_nt(val.astype(bf16), kt_ref[c, h, lo].astype(bf16)).astype(m_ref.dtype)
             elif name == "w":
                 p["w_b kt_a^T"] = dot_nt(val.astype(bf16), kt_ref[c, h, lo].astype(bf16)).astype(bf16)

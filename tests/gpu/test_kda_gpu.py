@@ -2,8 +2,8 @@
 scan in fp32 on the same bf16-rounded inputs: outputs and final states at bf16 level; packed sequences of
 unequal lengths with their chunk-boundary checkpoints; the fused decode step on a slot pool (whole V per
 program and split over value tiles of 32 and 64). The prefill tests run the default (two phases, chunk 16,
-u0 in bf16, phase 2 on the transposed state, its loads pipelined by Triton but for e^(G_C), loaded a chunk
-ahead in registers) at every shape, and the one-phase kernel, the two-phase variant at chunk 64, the one
+u0 in bf16, phase 2 on the transposed state, its loads pipelined by Triton but for e^(G_C) and u0, loaded a
+chunk ahead in registers) at every shape, and the one-phase kernel, the two-phase variant at chunk 64, the one
 with phase 2 on the untransposed state and the one with all of phase 2's loads carried one chunk ahead in
 registers on the small shapes and the packed sequences (the untransposed one at the gate-bound benchmark
 shape too).
