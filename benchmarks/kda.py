@@ -141,10 +141,13 @@ def run_prefill(args, torch_mods, jla):
         # ours: the default tuning, plus a sweep on request
         best = None
         best_by_phases = {}
+        compiled = {}  # one jitted function per tuning, so that --rounds does not compile again
         for tuning in (TUNINGS + TWO_PHASE_TUNINGS if args.sweep else
-                       [dict(pprefill.TUNING, **t) for t in args.tunings] if args.tunings else [pprefill.TUNING]):
+                       [dict(pprefill.TUNING, **t) for t in args.tunings] * args.rounds if args.tunings
+                       else [pprefill.TUNING]):
             try:
-                f = ours_prefill(tuning, args.checkpoint)
+                key = json.dumps(tuning, sort_keys=True)
+                f = compiled[key] = compiled.get(key) or ours_prefill(tuning, args.checkpoint)
                 ms, wall = 1e3 * device_seconds(f, *x, calls=10), bench_jax(f, *x, reps=args.reps)
                 o, s = f(*x)[:2]
                 errs = (rel(o, ref_o), rel(s, ref_s))
@@ -289,6 +292,8 @@ def main():
     ap.add_argument("--tunings", type=json.loads, default=None,
                     help='prefill: a JSON list of overrides of the default tuning to time in its place, e.g. '
                          '\'[{}, {"phase2_transposed": true}]\'')
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the --tunings this many times in turn (A B A B ...: same-run comparisons)")
     ap.add_argument("--checkpoint", type=int, default=0,
                     help="prefill: ours also returns the state every this many tokens (prefix caching)")
     ap.add_argument("--no-peers", action="store_true")

@@ -223,6 +223,12 @@ def test_two_phase_packed_chunks_and_limits():
     k.supports(*args, tuning=dict(phases=2, chunk=64), **kw)
     with pytest.raises(impl_mod.Unsupported, match="overflow"):
         k.supports(*args, tuning=dict(phases=1, chunk=64), **kw)
+    # two phases at chunk 16 anchor at the chunk start: e^(16 |bound|) must stay within e^80, so -5 is the
+    # limit there, while chunk 32 anchors at its sub-blocks' middles (e^(8 |bound|))
+    steep = dict(kw, lower_bound=-5.5)
+    with pytest.raises(impl_mod.Unsupported, match="overflow"):
+        k.supports(*args, tuning=dict(phases=2, chunk=16), **steep)
+    k.supports(*args, tuning=dict(phases=2, chunk=32), **steep)
     with pytest.raises(impl_mod.Unsupported, match="power of two"):
         k.supports(*args, tuning=dict(phases=2, chunk=48), **kw)
     with pytest.raises(impl_mod.Unsupported, match="phases"):
