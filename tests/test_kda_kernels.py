@@ -90,11 +90,10 @@ def run_prefill(x, **kw):
                                                                phase2_prefetch=["wq", "u0", "kt", "m", "dec"])),
                                             (50, "random", dict(TWO_SMALL, phase2_transposed=False,
                                                                 phase2_prefetch=["w", "u0", "qd"])),
-                                            (70, "random", dict(TWO_SMALL, chunk=32, phase1_pairs=True)),
-                                            (45, "bound", dict(TWO_SMALL, chunk=32, phase1_pairs=True)),
-                                            (37, "random", dict(TWO_SMALL, chunk=32, phase1_pairs=True,
-                                                                phase1_early_stores=False, u0_bf16=False)),
-                                            (70, "bound", dict(TWO_64, phase1_pairs=True))])
+                                            (45, "bound", dict(TWO_SMALL, phase1_products="bf16")),
+                                            (37, "random", dict(TWO_SMALL, phase1_products="bf16_folded",
+                                                                phase1_early_stores=False)),
+                                            (70, "bound", dict(TWO_64, phase1_products="bf16_folded"))])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
     rng = np.random.default_rng([601, t])
     x = raw_inputs(rng, 2, t, gates)
@@ -128,11 +127,11 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
                                     dict(TWO_SMALL, phase1_chunks=4), dict(TWO_SMALL, wq_interleaved=True),
                                     dict(TWO_SMALL, phase2_prefetch=["u0", "dec", "w"]),
                                     dict(TWO_SMALL, phase1_v_early=False),
-                                    dict(TWO_SMALL, chunk=32, phase1_pairs=True)],
+                                    dict(TWO_SMALL, chunk=32, phase1_products="bf16_folded")],
                          ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program", "two-phase-wq-interleaved",
-                              "two-phase-prefetch", "two-phase-v-late", "two-phase-pairs"])
+                              "two-phase-prefetch", "two-phase-v-late", "two-phase-chunk-32-bf16-products"])
 def test_packed_sequences_with_own_states_and_checkpoints(tuning):
-    lens = [37, 1, 70, 16, 0, 33]  # at chunk 32: chunks with an empty second half, and a lone first half
+    lens = [37, 1, 70, 16, 0, 33]  # unequal, one of a single token, one empty; partial last chunks
     cp = tuning["chunk"]
     cu = np.concatenate([[0], np.cumsum(lens)])
     rng = np.random.default_rng(603)
@@ -245,8 +244,8 @@ def test_two_phase_packed_chunks_and_limits():
         k.supports(*args, tuning=dict(phases=2, wq_interleaved=True, phase2_prefetch=["w"]), **kw)
     with pytest.raises(impl_mod.Unsupported, match="phase2_prefetch"):  # a name, not a list of names
         k.supports(*args, tuning=dict(phases=2, phase2_prefetch="u0"), **kw)
-    with pytest.raises(impl_mod.Unsupported, match="phase1_pairs"):  # halves of 8 rows
-        k.supports(*args, tuning=dict(phases=2, chunk=16, phase1_pairs=True), **kw)
+    with pytest.raises(impl_mod.Unsupported, match="phase1_products"):
+        k.supports(*args, tuning=dict(phases=2, phase1_products="fp8"), **kw)
 
 
 def test_default_falls_back_to_one_phase_past_the_workspace_cap(monkeypatch):

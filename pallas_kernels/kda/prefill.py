@@ -154,7 +154,7 @@ def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=Fals
         raise Unsupported(f"kda_prefill kernel: phases = {t['phases']} is not 1 or 2")
     if t["phases"] == 2:
         two_phase.check(t["chunk"], lower_bound, Unsupported, t["phase1_chunks"], t["phase1_inverse"],
-                        t["phase2_transposed"], t["wq_interleaved"], t["phase2_prefetch"], t["phase1_pairs"])
+                        t["phase2_transposed"], t["wq_interleaved"], t["phase2_prefetch"], t["phase1_products"])
     elif lower_bound is not None and t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
         raise Unsupported(f"kda_prefill kernel: gate bound {lower_bound} with chunk {t['chunk']} could overflow")
 

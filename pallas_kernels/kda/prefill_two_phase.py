@@ -90,12 +90,9 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 # wq_interleaved (transposed only): w and q_dec in one [2C, K] workspace, rows interleaved, so that S^T w^T
 #     and S^T q_dec^T are one MMA of N = 2C split by columns in registers (one wait fewer per chunk). Off:
 #     with today's prefetch it is 11% slower at (1, 8192, 96), at 168 registers (190 before), 2026-12-04.
-# phase1_pairs: phase 1 builds each chunk from its two halves, each computed as a chunk of half the rows and
-#     then merged (`_merge_halves`), for chunk 32 in phase 2: half the serial steps, its loop 390 SASS
-#     instructions per 32 tokens against 322 per 16 (offline, 2026-12-04). Phase 1 at chunk 32 directly takes
-#     255 registers and spills; with pairs 168 (3 blocks per SM). Half a alone compiles to 128; with b after
-#     it ptxas peaks inside half a, for reasons not found (docs/benchmarks.md). The same as a two-iteration
-#     loop: 232 (loop-invariant address tensors hoisted). Not yet timed (docs/benchmarks.md, "Still to run").
+# (phase1_pairs, chunk 32 in phase 2 with phase 1 building each chunk from two halves of 16, merged in the WY
+#     form, was removed on 2026-12-04 after its GPU run: 1.709 ms against 1.309 at (1, 8192, 96), phase 1 at
+#     231 registers there (168 offline); phase 2 at chunk 32 alone took 407 us against 552, docs/benchmarks.md.)
 # phase2_prefetch: the workspaces phase 2 loads one chunk ahead into registers (`common.serial_chunks`).
 #     Triton's own pipelining (prefill.TUNING num_stages = 3: async copies into shared memory two chunks
 #     ahead; u0 it prefetches into registers itself) beat that for w, q_dec, k_tail and M (2026-12-03), but
@@ -105,9 +102,17 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 #     SASS instructions before its use; taking it a whole chunk ahead too (166 registers, 3 blocks per SM):
 #     phase 2 578 -> 552 us, the whole prefill 1.342 -> 1.304 ms at (1, 8192, 96) and 1.162 -> 1.131 at
 #     (16, 4096, 12) (2026-12-04, thirteenth session).
+# phase1_products: the operands of w = X (beta k e^G) and u0 = X (beta v), X = (I + A)^-1 [C, C]. "tf32": fp32
+#     (TF32 MMAs on the GPU, as fp32 tiles through shared memory); "bf16": X and beta k e^G in bf16 for w, and
+#     X diag(beta) with v as loaded (bf16) for u0; "bf16_folded": X diag(beta) and k e^G (the bf16 operand
+#     the A products already round) for both. Offline (2026-12-04, fourteenth session): 1384 / 1264 / 1240
+#     SASS instructions per warp, 128 / 128 / 96 registers (4 / 4 / 5 blocks per SM). Errors against float64
+#     (CPU, (1, 1024, 8), fp32 dots as the baseline): o RMS 2.62e-4 -> 2.84e-4 and final state RMS 2.59e-4 ->
+#     3.19e-4 for both bf16 forms, the largest errors unchanged (6.1e-3 / 5.0e-3); u0's rounding of X diag(beta)
+#     is what costs (w's form does not show at the outputs). Not yet timed on the GPU.
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=True, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
-                          phase2_prefetch=("dec", "u0"), phase1_v_early=True, phase1_pairs=False)
+                          phase2_prefetch=("dec", "u0"), phase1_v_early=True, phase1_products="tf32")
 
 
 def sub_block(chunk: int) -> int:
@@ -125,6 +130,14 @@ def _row_of(x, rows, idx):
     return jnp.sum(jnp.where(rows == idx, x, 0.0), axis=0, keepdims=True)
 
 
+PHASE1_PRODUCTS = ("tf32", "bf16", "bf16_folded")
+
+
+def _operands(bf16: bool, *xs):
+    """xs as they are (fp32: TF32 on the GPU), or rounded to bf16."""
+    return tuple(x.astype(jnp.bfloat16) for x in xs) if bf16 else xs
+
+
 def workspace_names(wq_interleaved: bool) -> tuple[str, ...]:
     """Phase 1's outputs, in order (phase 2 takes them in the same order)."""
     return ("wq", "u0", "kt", "m", "dec") if wq_interleaved else ("w", "u0", "qd", "kt", "m", "dec")
@@ -132,7 +145,7 @@ def workspace_names(wq_interleaved: bool) -> tuple[str, ...]:
 
 def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs, chunk,
                    lower_bound, gate, qk_norm, per_program, inverse, transposed, early_stores, wq_interleaved,
-                   v_early, pairs, interpret):
+                   v_early, products):
     """Program (cb, h) does chunks cb * per_program ... + per_program - 1 of head h, one after the other
     (per_program > 1: a loop over chunks, which Triton can software-pipeline with phase1_stages > 1).
     early_stores: each workspace is stored as soon as it is known and v is loaded only for u0, so that fewer
@@ -140,8 +153,8 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
     same values either way. v_early (with early_stores): v is loaded with q, k and g and held in bf16 until
     u0, so that its load's latency overlaps the chunk's other work (Nsight Compute, (16, 4096, 12): 7.5% of
     phase 1's stall samples waited on the late load; offline, the same 128 registers). wq_interleaved: w
-    and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one [2C, K] workspace. pairs: each chunk is
-    built from its two halves (`_merge_halves`)."""
+    and q_dec go to the rows 0, 2, 4, ... and 1, 3, 5, ... of one [2C, K] workspace. products: the operands
+    of w and u0 (tuning phase1_products)."""
     cb, h = pl.program_id(0), pl.program_id(1)
     rows_of = {name: (ref, slice(None)) for name, ref in zip(workspace_names(wq_interleaved), out_refs)}
     if wq_interleaved:  # w and q_dec: the even and the odd rows of wq
@@ -185,9 +198,8 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         # one reduction, no row selection)
         gc = jnp.cumsum(g, axis=0)
         outputs = {  # each workspace's value, built when stored
-            "w": lambda: jnp.dot(inv, k * decay * beta, preferred_element_type=f32),
-            "u0": lambda: jnp.dot(inv, (load_v() if v_first is None else v_first).astype(f32) * beta,
-                                  preferred_element_type=f32),
+            "w": lambda: jnp.dot(*products_w(), preferred_element_type=f32),
+            "u0": lambda: jnp.dot(*products_u0(), preferred_element_type=f32),
             "qd": lambda: q * decay,
             "kt": lambda: k * jnp.exp2(g_end - gc),
             "m": lambda: m,
@@ -195,6 +207,17 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         }
 
         store = functools.partial(emit, outputs)
+
+        def products_w():  # X (beta k e^G), see phase1_products
+            if products == "bf16_folded":
+                return (inv * beta.T).astype(bf16), (k * decay).astype(bf16)
+            return _operands(products != "tf32", inv, k * decay * beta)
+
+        def products_u0():  # X (beta v)
+            vv = load_v() if v_first is None else v_first
+            if products == "tf32":
+                return inv, vv.astype(f32) * beta
+            return (inv * beta.T).astype(bf16), vv.astype(bf16)
 
         if early_stores:
             decay, g_end = jnp.exp2(gc), jnp.sum(g, axis=0, keepdims=True)
@@ -248,11 +271,6 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             store("w", "u0", "qd", "kt", "m", "dec")
 
     def whole(c):
-        if pairs:
-            _merge_halves(functools.partial(one, chunk=chunk // 2), out_refs, c, h, t0_ref[c], eos_ref[c],
-                          end_ref[c], chunk // 2, interpret)
-            return
-
         def emit(outputs, *names):
             for name in names:
                 ref, rows_ = rows_of[name]
@@ -264,74 +282,6 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         whole(cb)
     else:
         jax.lax.fori_loop(0, per_program, lambda i, carry: (whole(cb * per_program + i), carry)[1], 0)
-
-
-def _merge_halves(half, out_refs, c, h, t0, eos, end, n, interpret):
-    """Chunk c's workspaces (2n rows) from its halves a (rows t0 ..) and b (rows t0 + n ..), each computed
-    as a chunk of n rows by `half(t0, eos, end, emit)`. With a's state update S_a = e^(G_a) S + kt_a^T u_a,
-    u_a = u0_a - w_a S and P = w_b kt_a^T [n, n], the whole chunk's (its decays from its own start, its
-    tails to its own end):
-        w = [w_a; w_b e^(G_a) - P w_a]      u0 = [u0_a; u0_b - P u0_a]      q_dec = [q_dec_a; q_dec_b e^(G_a)]
-        k_tail = [kt_a e^(G_b); kt_b]       M = [[M_a, 0], [q_dec_b kt_a^T, M_b]]       e^(G_C) = e^(G_a) e^(G_b)
-    since u_b = u0_b - w_b S_a, o_b = q_dec_b S_a + M_b u_b and S' = e^(G_b) S_a + kt_b^T u_b. Every factor
-    is a decay (<= 1) or a product of the halves' own bounded values, so the halves' exponent bounds hold
-    (n rows each). Half a's tiles go to memory as soon as they are known and come back (L2) for the merge,
-    behind a CTA barrier, so that no [n, K] tile of a stays in registers through b. The products take bf16
-    operands (w_a, u0_a, kt_a as stored; P, q_dec_b rounded), as phase 2 would at chunk n; kt_a e^(G_b) is
-    rounded twice (kt_a, then the product). Needs the transposed phase 2's row e^(G_C) and separate w and
-    q_dec."""
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    refs = dict(zip(workspace_names(False), out_refs))
-    w_ref, u0_ref, kt_ref, m_ref, dec_ref = (refs[name] for name in ("w", "u0", "kt", "m", "dec"))
-    lo, hi = pl.ds(0, n), pl.ds(n, n)
-    sync = (lambda: None) if interpret else plt.debug_barrier  # CTA barrier: stores before other threads' reads
-    dec = {}
-
-    def emit_a(outputs, *names):
-        for name in names:
-            val = outputs[name]()
-            if name == "dec":
-                dec["a"] = val
-            elif name == "m":
-                m_ref[c, h, lo, lo] = val.astype(m_ref.dtype)
-                m_ref[c, h, lo, hi] = jnp.zeros_like(val).astype(m_ref.dtype)
-            else:  # w, u0, q_dec as they are; kt_a for now, its factor e^(G_b) after b
-                refs[name][c, h, lo] = val.astype(refs[name].dtype)
-
-    half(t0, eos, end, emit=emit_a)
-    sync()
-    # b's accesses of the workspaces start from a zero the compiler cannot see (t0 >= 0), so that their
-    # [n, K] address tensors are built where they are used instead of kept live from a's stores (offline:
-    # 168 registers, 180 without; giving b's input loads such a zero column start too changed nothing)
-    zero = jnp.minimum(t0, 0)
-    lo, hi = pl.ds(zero, n), pl.ds(zero + n, n)
-    p = {}
-
-    def emit_b(outputs, *names):
-        for name in names:
-            val = outputs[name]()
-            if name == "dec":
-                dec["b"] = val
-                dec_ref[c, h] = (dec["a"] * val).astype(dec_ref.dtype)
-            elif name == "kt":
-                kt_ref[c, h, hi] = val.astype(kt_ref.dtype)
-            elif name == "m":
-                m_ref[c, h, hi, hi] = val.astype(m_ref.dtype)
-            elif name == "qd":
-                refs["qd"][c, h, hi] = (val * dec["a"]).astype(refs["qd"].dtype)
-                m_ref[c, h, hi, lo] = dot_nt(val.astype(bf16), kt_ref[c, h, lo].astype(bf16)).astype(m_ref.dtype)
-            elif name == "w":
-                p["w_b kt_a^T"] = dot_nt(val.astype(bf16), kt_ref[c, h, lo].astype(bf16)).astype(bf16)
-                w_ref[c, h, hi] = (val * dec["a"] - jnp.dot(p["w_b kt_a^T"], w_ref[c, h, lo].astype(bf16),
-                                                             preferred_element_type=f32)).astype(w_ref.dtype)
-            else:  # u0, after w
-                u0_ref[c, h, hi] = (val - jnp.dot(p["w_b kt_a^T"], u0_ref[c, h, lo].astype(bf16),
-                                                  preferred_element_type=f32)).astype(u0_ref.dtype)
-
-    half(t0 + n, eos, end, emit=emit_b)
-    kt_a = kt_ref[c, h, lo].astype(f32)
-    sync()  # every thread has read kt_a (here and for b's products) before it is overwritten
-    kt_ref[c, h, lo] = (kt_a * dec["b"]).astype(kt_ref.dtype)
 
 
 def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, transposed,
@@ -408,7 +358,7 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
         functools.partial(_phase1_kernel, chunk=chunk, lower_bound=lower_bound, gate=gate, qk_norm=qk_norm,
                           per_program=tuning["phase1_chunks"], inverse=tuning["phase1_inverse"], transposed=tr,
                           early_stores=tuning["phase1_early_stores"], wq_interleaved=wq,
-                          v_early=tuning["phase1_v_early"], pairs=tuning["phase1_pairs"], interpret=interpret),
+                          v_early=tuning["phase1_v_early"], products=tuning["phase1_products"]),
         out_shape=[shapes[name] for name in workspace_names(wq)],
         grid=(n_chunks // tuning["phase1_chunks"], heads), interpret=interpret, name="kda_prefill_phase1",
         compiler_params=compiler_params(tuning["phase1_warps"], tuning["phase1_stages"]),
@@ -436,12 +386,11 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
 
 
 def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series", phase2_transposed=True,
-          wq_interleaved=False, phase2_prefetch=(), phase1_pairs=False):
+          wq_interleaved=False, phase2_prefetch=(), phase1_products="tf32"):
     """The two-phase variant's own limits (raises `unsupported(msg)`)."""
-    if phase1_pairs and (chunk < 32 or wq_interleaved or not phase2_transposed):
-        raise unsupported("kda_prefill two-phase kernel: phase1_pairs needs chunk >= 32, phase2_transposed "
-                          f"and separate w and q_dec (chunk {chunk}, wq_interleaved {wq_interleaved}, "
-                          f"phase2_transposed {phase2_transposed})")
+    if phase1_products not in PHASE1_PRODUCTS:
+        raise unsupported(f"kda_prefill two-phase kernel: phase1_products = {phase1_products!r} is not one of "
+                          f"{PHASE1_PRODUCTS}")
     names = workspace_names(wq_interleaved)
     if isinstance(phase2_prefetch, str) or set(phase2_prefetch) - set(names):
         raise unsupported(f"kda_prefill two-phase kernel: phase2_prefetch = {phase2_prefetch!r} is not a "
