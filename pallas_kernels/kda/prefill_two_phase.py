@@ -133,11 +133,6 @@ def _row_of(x, rows, idx):
 PHASE1_PRODUCTS = ("tf32", "bf16", "bf16_folded")
 
 
-def _operands(bf16: bool, *xs):
-    """xs as they are (fp32: TF32 on the GPU), or rounded to bf16."""
-    return tuple(x.astype(jnp.bfloat16) for x in xs) if bf16 else xs
-
-
 def workspace_names(wq_interleaved: bool) -> tuple[str, ...]:
     """Phase 1's outputs, in order (phase 2 takes them in the same order)."""
     return ("wq", "u0", "kt", "m", "dec") if wq_interleaved else ("w", "u0", "qd", "kt", "m", "dec")
@@ -201,19 +196,22 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             "w": lambda: jnp.dot(*products_w(), preferred_element_type=f32),
             "u0": lambda: jnp.dot(*products_u0(), preferred_element_type=f32),
             "qd": lambda: q * decay,
-            "kt": lambda: k * jnp.exp2(g_end - gc),
+            # one sub-block: e^(-G) is there already (`down`, anchored at the chunk start)
+            "kt": lambda: k * (down * jnp.exp2(g_end)) if nsub == 1 else k * jnp.exp2(g_end - gc),
             "m": lambda: m,
             "dec": lambda: jnp.exp2(g_end) if transposed else jnp.exp2(g_end).T,
         }
 
         store = functools.partial(emit, outputs)
 
-        def products_w():  # X (beta k e^G), see phase1_products
-            if products == "bf16_folded":
-                return (inv * beta.T).astype(bf16), (k * decay).astype(bf16)
-            return _operands(products != "tf32", inv, k * decay * beta)
+        def products_w():  # the operands of X (beta k e^G), see phase1_products
+            if products == "tf32":
+                return inv, k * decay * beta
+            if products == "bf16":
+                return inv.astype(bf16), (k * decay * beta).astype(bf16)
+            return (inv * beta.T).astype(bf16), (k * decay).astype(bf16)
 
-        def products_u0():  # X (beta v)
+        def products_u0():  # the operands of X (beta v)
             vv = load_v() if v_first is None else v_first
             if products == "tf32":
                 return inv, vv.astype(f32) * beta
@@ -223,9 +221,8 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             decay, g_end = jnp.exp2(gc), jnp.sum(g, axis=0, keepdims=True)
         blk_r, blk_c = rows // sub, cols // sub
         same = blk_r == blk_c  # [C, C] pairs inside one sub-block
-        if nsub == 1:  # anchor at the chunk start: up is the decay itself, and k_tail = k down e^(G_C)
+        if nsub == 1:  # anchor at the chunk start: up is the decay itself
             up, down = jnp.exp2(gc), jnp.exp2(-gc)
-            outputs["kt"] = lambda: k * (down * jnp.exp2(g_end))
         else:  # anchor at each sub-block's middle row
             mid = sum(jnp.where(blk_r == a, _row_of(gc, rows, a * sub + sub // 2 - 1), 0.0) for a in range(nsub))
             up, down = jnp.exp2(gc - mid), jnp.exp2(mid - gc)
