@@ -1,9 +1,15 @@
-"""GPU probe (2026-12-04, fourteenth session): phase 1's workspaces against a float64 NumPy reference, per
-workspace, for the tunings given as JSON in argv[1] (default: the default and phase1_shared_exp), on the
-benchmark's input distribution (g = -5 sigmoid(2 N(0, 1))). Prints, per workspace, the largest error
-relative to the workspace's largest entry and the RMS error relative to its RMS.
+"""GPU probe (2026-12-04, fourteenth session): the KDA prefill's precision, for the tunings given as JSON in
+argv[1] (default: the default and the phase1_products candidates), on benchmarks/kda.py's inputs
+(g = -5 sigmoid(2 N(0, 1))).
 
-    PYTHONPATH=$PWD python3 tests/gpu/probe_phase1_precision.py '[{}, {"phase1_shared_exp": true}]'
+- Phase 1's workspaces against a float64 NumPy reference at (1, PROBE_T = 2048, PROBE_H = 16): per
+  workspace, the largest error relative to its largest entry and the RMS error relative to its RMS.
+- With PROBE_WHOLE=1, the whole prefill's output at (1, 8192, 96) against the benchmark's fp32 reference:
+  the largest error, two high quantiles and the RMS (all relative to the largest output), and where the
+  largest is. A change in the largest error alone, with the quantiles unchanged, is one element moving.
+
+    PYTHONPATH=$PWD python3 tests/gpu/probe_phase1_precision.py '[{}, {"phase1_products": "bf16_folded"}]'
+On the CPU (interpreted) it runs the first part only, at small PROBE_T and PROBE_H.
 """
 import json
 import os
@@ -40,15 +46,18 @@ def reference(q, k, v, g, beta, chunk):
     return ws
 
 
-def main():
-    tunings = json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}, {"phase1_shared_exp": True}]
+TUNINGS = json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}, {"phase1_products": "bf16"},
+                                                                 {"phase1_products": "bf16_folded"}]
+
+
+def main(tunings=TUNINGS):
     b, t, h = 1, int(os.environ.get("PROBE_T", 2048)), int(os.environ.get("PROBE_H", 16))
     interpret = jax.default_backend() != "gpu"
     q, k, v, g, beta, _ = prefill_inputs(b, t, h, seed=3)
-    ref = reference(*(np.asarray(a[0], np.float64) for a in (q, k, v, g, beta)), 16)
     for tuning in tunings:
         tu = dict(pp.TUNING, **tuning)
         chunk = tu["chunk"]
+        ref = reference(*(np.asarray(a[0], np.float64) for a in (q, k, v, g, beta)), chunk)
         n = t // chunk
         cu = jnp.array([0, t], jnp.int32)
         choff, t0, eos, end = two.chunk_table(cu, cu[1:], chunk, n)
@@ -65,10 +74,9 @@ def main():
         print(tuning, "max/rms rel:", "  ".join(row), flush=True)
 
 
-
-def whole(shape=(1, 8192, 96), tunings=({}, {"phase1_shared_exp": True})):
-    """The whole prefill's output error against benchmarks/kda.py's fp32 reference: max, quantiles, RMS, and
-    where the largest error is (token, head) with that token's chunk-row and the chunk's smallest G."""
+def whole(shape=(1, 8192, 96), tunings=TUNINGS):
+    """The whole prefill's output error against benchmarks/kda.py's fp32 reference: largest, quantiles, RMS,
+    and where the largest error is (token, its row in a chunk of 16, head, channel)."""
     import kda
     x = prefill_inputs(*shape)
     ro = np.asarray(kda.reference_prefill(*x)[0], np.float32)
