@@ -52,8 +52,10 @@ case $STEPS in *5*)  # the prefill sweep around the default, phase 1's chunks pe
   step 5-kda-sweep ${LIMIT_5:-300} python3 -u benchmarks/kda.py --sweep --only prefill --reps 10 --prefill-shapes 1x8192x96 \
     --json "$OUT/kda_sweep.json" ;;
 esac
-case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults), with checks
-  step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 ;;
+case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split around both defaults, or the JSON list
+  # MOE_CANDIDATES: benchmarks/moe.py --candidates), each candidate's output checked against the default's
+  step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 \
+    ${MOE_CANDIDATES:+--candidates "$MOE_CANDIDATES"} ;;
 esac
 case $STEPS in *7*)  # the fourteenth session's candidates for phase 1 (the last 0.9% at (1, 8192, 96)): w and u0
   # from bf16 operands (phase1_products; offline 1264 / 1240 SASS instructions per warp against 1384, and 96
