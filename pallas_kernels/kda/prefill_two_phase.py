@@ -103,13 +103,13 @@ MAX_INTRA_EXPONENT = 80.0  # same margin as the one-phase kernel: e^80 < bf16/fp
 #     phase 2 578 -> 552 us, the whole prefill 1.342 -> 1.304 ms at (1, 8192, 96) and 1.162 -> 1.131 at
 #     (16, 4096, 12) (2026-12-04, thirteenth session).
 # phase1_products: the operands of w = X (beta k e^G) and u0 = X (beta v), X = (I + A)^-1 [C, C]. "tf32": fp32
-#     (TF32 MMAs on the GPU, as fp32 tiles through shared memory); "bf16": X and beta k e^G in bf16 for w, and
-#     X diag(beta) with v as loaded (bf16) for u0; "bf16_folded": X diag(beta) and k e^G (the bf16 operand
-#     the A products already round) for both. Offline (2026-12-04, fourteenth session): 1384 / 1264 / 1240
-#     SASS instructions per warp, 128 / 128 / 96 registers (4 / 4 / 5 blocks per SM). Errors against float64
-#     (CPU, (1, 1024, 8), fp32 dots as the baseline): o RMS 2.62e-4 -> 2.84e-4 and final state RMS 2.59e-4 ->
-#     3.19e-4 for both bf16 forms, the largest errors unchanged (6.1e-3 / 5.0e-3); u0's rounding of X diag(beta)
-#     is what costs (w's form does not show at the outputs). Not yet timed on the GPU.
+#     (TF32 MMAs on the GPU, the tiles through shared memory in fp32); "bf16": X diag(beta) in bf16 for both,
+#     with k e^G (the bf16 operand the A products already round) and v as loaded. Offline (2026-12-04,
+#     fourteenth session): 1384 -> 1240 SASS instructions per warp, 128 -> 96 registers (4 -> 5 blocks per SM);
+#     at 8 warps 952 instructions and 61 registers. Errors against float64 (CPU, (1, 1024, 8), fp32 dots as the
+#     baseline): o RMS 2.62e-4 -> 2.84e-4 and final state RMS 2.59e-4 -> 3.19e-4, the largest errors unchanged
+#     (6.1e-3 / 5.0e-3): u0's rounding of X diag(beta) is what costs. (X and beta k e^G in bf16 for w gave the
+#     same output errors at 1264 instructions and 128 registers.) Not yet timed on the GPU.
 TWO_PHASE_DEFAULTS = dict(phase1_warps=4, phase1_stages=1, phase1_chunks=1, u0_bf16=True, phase1_inverse="series",
                           phase2_transposed=True, phase1_early_stores=True, wq_interleaved=False,
                           phase2_prefetch=("dec", "u0"), phase1_v_early=True, phase1_products="tf32")
@@ -130,7 +130,7 @@ def _row_of(x, rows, idx):
     return jnp.sum(jnp.where(rows == idx, x, 0.0), axis=0, keepdims=True)
 
 
-PHASE1_PRODUCTS = ("tf32", "bf16", "bf16_folded")
+PHASE1_PRODUCTS = ("tf32", "bf16")
 
 
 def workspace_names(wq_interleaved: bool) -> tuple[str, ...]:
@@ -207,15 +207,16 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         def products_w():  # the operands of X (beta k e^G), see phase1_products
             if products == "tf32":
                 return inv, k * decay * beta
-            if products == "bf16":
-                return inv.astype(bf16), (k * decay * beta).astype(bf16)
-            return (inv * beta.T).astype(bf16), (k * decay).astype(bf16)
+            return inv_beta(), (k * decay).astype(bf16)
 
         def products_u0():  # the operands of X (beta v)
             vv = load_v() if v_first is None else v_first
             if products == "tf32":
                 return inv, vv.astype(f32) * beta
-            return (inv * beta.T).astype(bf16), vv.astype(bf16)
+            return inv_beta(), vv.astype(bf16)
+
+        def inv_beta():  # X diag(beta) in bf16 (Triton computes it once: both uses are the same expression)
+            return (inv * beta.T).astype(bf16)
 
         if early_stores:
             decay, g_end = jnp.exp2(gc), jnp.sum(g, axis=0, keepdims=True)
