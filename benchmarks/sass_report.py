@@ -75,7 +75,7 @@ def _lowered_text(op, shape, tuning, checkpoint, jax, jnp):
         args = (q, q, q, g, jax.ShapeDtypeStruct((b, t, h), jnp.float32),
                 jax.ShapeDtypeStruct((b, h, d, d), jnp.float32))
         f = jax.jit(lambda *a: kda_prefill(*a, qk_norm=True, out_dtype=jnp.bfloat16, interpret=False,
-                                           tuning=tuning, checkpoint=checkpoint))
+                                           tuning=tuning, checkpoint=checkpoint, lower_bound=-5.0))
     elif op == "moe":  # K3's widths: 896 experts, latent 3584, expert width 3072, top 16
         from kimik3_jax.params import ExpertParams
         from pallas_kernels.moe.routed import routed_experts

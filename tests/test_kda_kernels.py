@@ -370,6 +370,12 @@ def test_switch_falls_back_and_refuses():
     x = [jnp.zeros((1, 3, H, D), jnp.float32)] * 4 + [jnp.zeros((1, 3, H)), jnp.zeros((1, H, D, D))]
     with pytest.raises(impl_mod.Unsupported, match="q is float32; its matmuls take bfloat16"):
         k.supports(*x)
+    # raw log decays with no declared bound: the kernel's exponents could overflow, so it refuses
+    x = [jnp.zeros((1, 3, H, D), jnp.bfloat16)] * 3 + [jnp.zeros((1, 3, H, D)), jnp.zeros((1, 3, H)),
+                                                       jnp.zeros((1, H, D, D))]
+    with pytest.raises(impl_mod.Unsupported, match="needs lower_bound"):
+        k.supports(*x)
+    k.supports(*x, lower_bound=LB)
 
 
 def test_model_selects_the_kernels_with_the_ops_arguments(tiny_ckpt, monkeypatch):

@@ -205,6 +205,8 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
 
     q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] the log decay, or its pre-activation z when `a_log`
     [H] is given (then g = kda_gate(z, a_log, lower_bound)); beta [B, T, H]; s0 [B, H, K, V] (fp32).
+    lower_bound without a_log: the bound the given g respects (g >= lower_bound); this op ignores it, the
+    Pallas kernel needs it to bound its exponents.
     qk_norm: q = l2(q) K^-1/2, k = l2(k) first. lengths [B]: positions t >= lengths[b] are identity steps
     (g = 0, beta = 0: the state passes unchanged). cu_seqlens [N+1]: B = 1 holds N packed sequences,
     sequence n at tokens cu[n]:cu[n+1] with its own state s0[n]. checkpoint > 0: also return the state

@@ -10,6 +10,11 @@ middle, so each factor stays within e^(+-C/2 |g|) (e^80 at C = 32 and the -5 bou
 overflow), while every other exponent is <= 0. Matmuls on the state and the chunk's q/k run in bf16 with
 fp32 accumulation (the peers' precision); the inverse and X's products in fp32 (TF32 on the GPU).
 
+The exponents are bounded by the log decays' lower bound, so the kernel needs it: `lower_bound` with
+`a_log` (K3's gate, g = lower_bound * sigmoid(...)), or alone as the bound that a g given directly respects
+(the XLA op ignores it there); without it `supports` refuses (impl "auto" then runs the XLA op). Two phases
+at chunk 16 allow bounds down to -5, chunk 32 and up -10 (`prefill_two_phase.anchor_span`).
+
 Sequences: cu [N+1] token offsets into the flattened [B*T] rows (batch form: cu = arange(B+1) * T);
 positions at or past `ends[n]` are identity steps (the `lengths` of the batch form). Everything the op
 `kimik3_jax.ops.kda.kda_prefill` takes is supported except float64 and head dims that are not powers of
@@ -148,14 +153,16 @@ def supports(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=Fals
         raise Unsupported(f"kda_prefill kernel: checkpoint = {checkpoint} is not a multiple of the chunk {t['chunk']}")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise Unsupported(f"kda_prefill kernel: packed sequences need batch 1, got q {q.shape}")
-    if a_log is not None and lower_bound is None:
-        raise Unsupported("kda_prefill kernel: a_log given without lower_bound")
+    if lower_bound is None:  # raw log decays of unknown range could overflow the anchored exponents
+        raise Unsupported("kda_prefill kernel: needs lower_bound, the log decays' lower bound (with a_log the "
+                          "gate's; without, the bound the given g respects), to keep its exponents finite"
+                          + (" (a_log given without it)" if a_log is not None else ""))
     if t["phases"] not in (1, 2):
         raise Unsupported(f"kda_prefill kernel: phases = {t['phases']} is not 1 or 2")
     if t["phases"] == 2:
         two_phase.check(t["chunk"], lower_bound, Unsupported, t["phase1_chunks"], t["phase1_inverse"],
                         t["phase2_transposed"], t["wq_interleaved"], t["phase2_prefetch"], t["phase1_products"])
-    elif lower_bound is not None and t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
+    elif t["chunk"] // 2 * abs(lower_bound) > MAX_ANCHOR_EXPONENT:
         raise Unsupported(f"kda_prefill kernel: gate bound {lower_bound} with chunk {t['chunk']} could overflow")
 
 

@@ -60,13 +60,12 @@ def kda():
 
 
 def prefill():
-    from kda import prefill_inputs
-    from pallas_kernels.kda.prefill import kda_prefill
+    from kda import ours_prefill, prefill_inputs
     shape = os.environ.get("NCU_PREFILL_SHAPE", "1x8192x96")
     b, t, h = (1, 64, 2) if SMALL else tuple(int(x) for x in shape.split("x"))
     q, k, v, g, beta, s0 = prefill_inputs(b, t, h)
     for tuning in json.loads(os.environ.get("NCU_PREFILL", "[null]")):
-        f = jax.jit(lambda *a, tn=tuning: kda_prefill(*a, qk_norm=True, out_dtype=jax.numpy.bfloat16, tuning=tn))
+        f = ours_prefill(tuning)
         jax.block_until_ready(f(q, k, v, g, beta, s0))  # as benchmarks/kda.py
         jax.block_until_ready(f(q, k, v, g, beta, s0))
         print(f"kda prefill {(b, t, h)} {tuning}", flush=True)

@@ -56,7 +56,8 @@ def part_b():
         x = prefill_inputs(b, t, h)
         for tuning in (dict(phases=2), dict(phases=2, phase1_warps=4)):  # the default, and its 4-warp phase 1
             tn = pp._tuning(tuning)
-            whole = jax.jit(lambda *a: pp.kda_prefill(*a, qk_norm=True, out_dtype=jnp.bfloat16, tuning=tuning))
+            whole = jax.jit(lambda *a: pp.kda_prefill(*a, qk_norm=True, out_dtype=jnp.bfloat16, tuning=tuning,
+                                                      lower_bound=-5.0))
             c = tn["chunk"]
             n_chunks = b * -(-t // c)
             cu = (jnp.arange(b + 1) * t).astype(jnp.int32)
