@@ -156,9 +156,8 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         wq = rows_of["wq"][0]
         rows_of.update(w=(wq, pl.ds(0, chunk, stride=2)), qd=(wq, pl.ds(1, chunk, stride=2)))
 
-    def one(t0, eos, end, chunk, emit):
-        """The workspaces of the `chunk` rows from t0; `emit(outputs, *names)` stores them (each value a
-        thunk in `outputs`) as soon as they are known."""
+    def one(c):
+        t0, eos, end = t0_ref[c], eos_ref[c], end_ref[c]
         f32, bf16 = jnp.float32, jnp.bfloat16
         dk, dv = q_ref.shape[-1], v_ref.shape[-1]
         sub = sub_block(chunk)
@@ -202,7 +201,10 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             "dec": lambda: jnp.exp2(g_end) if transposed else jnp.exp2(g_end).T,
         }
 
-        store = functools.partial(emit, outputs)
+        def store(*names):  # each workspace as soon as it is known (its value a thunk in `outputs`)
+            for name in names:
+                ref, rows_ = rows_of[name]
+                ref[c, h, rows_] = outputs[name]().astype(ref.dtype)
 
         def products_w():  # the operands of X (beta k e^G), see phase1_products
             if products == "tf32":
@@ -268,18 +270,10 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
             decay, g_end = jnp.exp2(gc), jnp.sum(g, axis=0, keepdims=True)
             store("w", "u0", "qd", "kt", "m", "dec")
 
-    def whole(c):
-        def emit(outputs, *names):
-            for name in names:
-                ref, rows_ = rows_of[name]
-                ref[c, h, rows_] = outputs[name]().astype(ref.dtype)
-
-        one(t0_ref[c], eos_ref[c], end_ref[c], chunk, emit)
-
     if per_program == 1:
-        whole(cb)
+        one(cb)
     else:
-        jax.lax.fori_loop(0, per_program, lambda i, carry: (whole(cb * per_program + i), carry)[1], 0)
+        jax.lax.fori_loop(0, per_program, lambda i, carry: (one(cb * per_program + i), carry)[1], 0)
 
 
 def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, transposed,
