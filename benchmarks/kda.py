@@ -46,7 +46,7 @@ DECODE_NS = [1, 32, 256]
 # decode: value tile (block_v 128 = V: one program per (sequence, head), the default kernel) x warps; the
 # value tiles are one launch since 2026-12-02 (their last tile per head norms the row), fla's shape is 32 x 4
 DECODE_TUNINGS = [dict(block_v=bv, num_warps=w, num_stages=1)
-                  for bv, w in [(128, 4), (64, 2), (64, 4), (32, 1), (32, 2), (32, 4), (16, 1), (16, 2)]]
+                  for bv, w in [(128, 4), (64, 2), (64, 4), (32, 1), (32, 2), (32, 4), (16, 1), (16, 2)]]]
 DK = DV = 128
 WIDTH = 4
 TUNINGS = [dict(phases=1, chunk=32, block_v=128, num_warps=8, num_stages=2)]  # the best one-phase tuning so far
@@ -236,7 +236,8 @@ def run_decode(args, torch_mods):
             qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w)
         row = dict(n=n, h=h)
         best = None
-        for tuning in (DECODE_TUNINGS if args.sweep else [pdecode.TUNING]):
+        tunings = args.decode_tunings or (DECODE_TUNINGS if args.sweep else [{}])
+        for tuning in tunings:
             step = lambda cp, sp, t=tuning: pdecode.kda_decode(
                 qkv, conv_w, cp, sp, slots, z, beta, gate, norm_w, tuning=t, **kw)
 
@@ -296,6 +297,8 @@ def main():
     ap.add_argument("--tunings", type=json.loads, default=None,
                     help='prefill: a JSON list of overrides of the default tuning to time in its place, e.g. '
                          '\'[{}, {"phase2_transposed": true}]\'')
+    ap.add_argument("--decode-tunings", type=json.loads, default=None,
+                    help='decode: a JSON list of overrides of the default tuning, each timed, e.g. \'[{}, {"v_steps": 4}]\'')
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the --tunings this many times in turn (A B A B ...: same-run comparisons)")
     ap.add_argument("--checkpoint", type=int, default=0,

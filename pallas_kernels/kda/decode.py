@@ -75,13 +75,23 @@ def _gated_norm(o, nw_ref, gate_row, eps):
     return o * jax.nn.sigmoid(gate_row.astype(f32))
 
 
+def _conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size):
+    """Channel block `chans` of projection j of row n: the causal conv over the slot's tail and the new
+    token, SiLU, rounded to the activation dtype as the reference does; and the conv's history (tail + token)."""
+    f32 = jnp.float32
+    width = w_ref.shape[-1]
+    hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [qkv_ref[n, j, chans]]
+    y = jnp.zeros((size,), f32)
+    for r in range(width):
+        y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
+    return jax.nn.silu(y).astype(qkv_ref.dtype).astype(f32), hist
+
+
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
                    nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place, ids):
-    f32 = jnp.float32
     n, h = ids()
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
     width = w_ref.shape[-1]
-    act = qkv_ref.dtype
     slot = slots_ref[n]
     active = lens_ref[n] > 0
     cs = pl.ds(h * dk, dk)
@@ -90,21 +100,19 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     # The state's load is issued first, so that its latency overlaps the conv prologue's loads and
     # arithmetic, and every store comes after the last load (a store issued earlier would keep the state
     # load behind it: the pointers may alias). On the H200 at H = 96 this ordering with the tails in place
-    # took a step from 178 to 144 us at N = 32 and from 23.5 to 14.3 us at N = 1 (2026-12-02).
+    # took a step from 178 to 144 us at N = 32 and from 23.5 to 14.3 us at N = 1 (2026-12-02). Taking the
+    # value columns in 2 or 4 blocks one after another, the next block's load issued before this one's store,
+    # was slower: 131.0 / 164.6 against 130.7 us at N = 32 (2026-12-05).
     s0 = s_ref[slot, h, :, :]
     ys, tails = [], []
     for j in range(3):
-        x = qkv_ref[n, j, cs]
-        hist = [conv_ref[slot, j, r, cs] for r in range(width - 1)] + [x]
-        y = jnp.zeros((dk,), f32)
-        for r in range(width):
-            y = y + hist[r].astype(f32) * w_ref[j, cs, r].astype(f32)
-        ys.append(jax.nn.silu(y).astype(act).astype(f32))
+        y, hist = _conv(conv_ref, qkv_ref, w_ref, slot, n, j, cs, dk)
+        ys.append(y)
         # the tail moves by one token (an inactive row keeps its tail); stored at the end, after every load
         tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)) for r in range(width - 1)]
     q, k, v = ys
     q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
-    s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
+    s = s0.astype(jnp.float32) * jnp.exp(g)[:, None]  # decay first
     pred = jnp.sum(s * k[:, None], axis=0)
     s = s + k[:, None] * (beta * (v - pred))[None, :]
     o_ref[n, h, :] = _gated_norm(jnp.sum(s * q[:, None], axis=0), nw_ref, gate_ref[n, h, :], eps).astype(o_ref.dtype)
@@ -125,7 +133,6 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     t, n, h = ids()
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
     width = w_ref.shape[-1]
-    act = qkv_ref.dtype
     slot = slots_ref[n]
     active = lens_ref[n] > 0
     cs = pl.ds(h * dk, dk)  # the head's q and k channels
@@ -133,11 +140,7 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     cols = pl.ds(t * bv, bv)
 
     def conv(j, chans, size):
-        hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [qkv_ref[n, j, chans]]
-        y = jnp.zeros((size,), f32)
-        for r in range(width):
-            y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
-        return jax.nn.silu(y).astype(act).astype(f32), hist
+        return _conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size)
 
     def store_tails(j, chans, hist, size):  # the tail moves by one token (an inactive row keeps its tail)
         keep = jnp.broadcast_to(active, (size,))
