@@ -3,11 +3,9 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 123456789 (default 1234), e.g. "13", "25", "4"
-# The next runs (docs/benchmarks.md, "Still to run"): "79" with NCU_PREFILL='[{"phase1_products":
-# "bf16"}]' (candidates timed in turn, and each prefill phase by Nsight Compute), "2" (the best with
-# both peers), "8" (MoE by device time). "1" is the KDA tests (480 s on a cold machine; `-k "packed or
-# prefill"` alone took 255 s on 2026-12-04, and 16 of its 19 cases passed in 320 s on a cold machine on the
-# fourteenth session's default).
+# The next runs (docs/benchmarks.md, "Still to run"): "2" (the prefill default with both peers), "8" (MoE by
+# device time), "6" with MOE_CANDIDATES. "1" is the KDA tests (all 37 passed in 313 s on a cold
+# machine, 2026-12-05).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
@@ -57,12 +55,12 @@ case $STEPS in *6*)  # the MoE tile sweep alone (MMA shapings swap / split aroun
   step 6-moe-sweep ${LIMIT_6:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --sweep-only --budget-s 280 \
     ${MOE_CANDIDATES:+--candidates "$MOE_CANDIDATES"} ;;
 esac
-case $STEPS in *7*)  # the fourteenth session's candidate for phase 1 (the last 0.9% at (1, 8192, 96)): w and u0
-  # from bf16 operands (phase1_products; offline 1240 SASS instructions per warp against 1384 and 96 registers,
-  # or 952 and 61 at 8 warps), each timed three times in turn with the default (--rounds)
+case $STEPS in *7*)  # prefill tunings (KDA_CANDIDATES, a JSON list of overrides of the default; {} is the
+  # default) timed three times in turn at both target shapes (--rounds), without peers
+  [ -n "${KDA_CANDIDATES:-}" ] || KDA_CANDIDATES='[{}, {"phase1_products": "tf32"}]'
   step 7-kda-candidates ${LIMIT_7:-400} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 5 --rounds 3 \
     --prefill-shapes ${SHAPES_7:-1x8192x96,16x4096x12} --json "$OUT/kda_candidates.json" \
-    --tunings '[{}, {"phase1_products": "bf16"}, {"phase1_products": "bf16", "phase1_warps": 8}]' ;;
+    --tunings "$KDA_CANDIDATES" ;;
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \

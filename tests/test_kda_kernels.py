@@ -90,10 +90,10 @@ def run_prefill(x, **kw):
                                                                phase2_prefetch=["wq", "u0", "kt", "m", "dec"])),
                                             (50, "random", dict(TWO_SMALL, phase2_transposed=False,
                                                                 phase2_prefetch=["w", "u0", "qd"])),
-                                            (45, "bound", dict(TWO_SMALL, phase1_products="bf16")),
-                                            (37, "random", dict(TWO_SMALL, phase1_products="bf16",
+                                            (45, "bound", dict(TWO_SMALL, phase1_products="tf32")),
+                                            (37, "random", dict(TWO_SMALL, phase1_products="tf32",
                                                                 phase1_early_stores=False)),
-                                            (70, "bound", dict(TWO_64, phase1_products="bf16"))])
+                                            (70, "bound", dict(TWO_64, phase1_products="tf32"))])
 def test_prefill_kernel_matches_reference(t, gates, tuning):
     rng = np.random.default_rng([601, t])
     x = raw_inputs(rng, 2, t, gates)
@@ -127,9 +127,9 @@ def test_prefill_kernel_lengths_are_identity_tails_and_match_the_op(tuning):
                                     dict(TWO_SMALL, phase1_chunks=4), dict(TWO_SMALL, wq_interleaved=True),
                                     dict(TWO_SMALL, phase2_prefetch=["u0", "dec", "w"]),
                                     dict(TWO_SMALL, phase1_v_early=False),
-                                    dict(TWO_SMALL, chunk=32, phase1_products="bf16")],
+                                    dict(TWO_SMALL, chunk=32, phase1_products="tf32")],
                          ids=["one-phase", "two-phase", "two-phase-4-chunks-per-program", "two-phase-wq-interleaved",
-                              "two-phase-prefetch", "two-phase-v-late", "two-phase-chunk-32-bf16-products"])
+                              "two-phase-prefetch", "two-phase-v-late", "two-phase-chunk-32-tf32-products"])
 def test_packed_sequences_with_own_states_and_checkpoints(tuning):
     lens = [37, 1, 70, 16, 0, 33]  # unequal, one of a single token, one empty; partial last chunks
     cp = tuning["chunk"]

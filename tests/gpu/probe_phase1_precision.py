@@ -1,5 +1,5 @@
 """GPU probe (2026-12-04, fourteenth session): the KDA prefill's precision, for the tunings given as JSON in
-argv[1] (default: the default and the phase1_products candidate), on benchmarks/kda.py's inputs
+argv[1] (default: the default, bf16 products since 2026-12-05, and the tf32 form), on benchmarks/kda.py's inputs
 (g = -5 sigmoid(2 N(0, 1))).
 
 - Phase 1's workspaces against a float64 NumPy reference at (1, PROBE_T = 2048, PROBE_H = 16): per
@@ -8,7 +8,7 @@ argv[1] (default: the default and the phase1_products candidate), on benchmarks/
   the largest error, two high quantiles and the RMS (all relative to the largest output), and where the
   largest is. A change in the largest error alone, with the quantiles unchanged, is one element moving.
 
-    PYTHONPATH=$PWD python3 tests/gpu/probe_phase1_precision.py '[{}, {"phase1_products": "bf16"}]'
+    PYTHONPATH=$PWD python3 tests/gpu/probe_phase1_precision.py '[{}, {"phase1_products": "tf32"}]'
 On the CPU (interpreted) it runs the first part only, at small PROBE_T and PROBE_H.
 """
 import json
@@ -46,7 +46,7 @@ def reference(q, k, v, g, beta, chunk):
     return ws
 
 
-TUNINGS = json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}, {"phase1_products": "bf16"}]
+TUNINGS = json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}, {"phase1_products": "tf32"}]
 
 
 def main(tunings=TUNINGS):
