@@ -46,7 +46,7 @@ DECODE_NS = [1, 32, 256]
 # decode: value tile (block_v 128 = V: one program per (sequence, head), the default kernel) x warps; the
 # value tiles are one launch since 2026-12-02 (their last tile per head norms the row), fla's shape is 32 x 4
 DECODE_TUNINGS = [dict(block_v=bv, num_warps=w, num_stages=1)
-                  for bv, w in [(128, 4), (64, 2), (64, 4), (32, 1), (32, 2), (32, 4), (16, 1), (16, 2)]]]
+                  for bv, w in [(128, 4), (64, 2), (64, 4), (32, 1), (32, 2), (32, 4), (16, 1), (16, 2)]]
 DK = DV = 128
 WIDTH = 4
 TUNINGS = [dict(phases=1, chunk=32, block_v=128, num_warps=8, num_stages=2)]  # the best one-phase tuning so far
@@ -298,7 +298,7 @@ def main():
                     help='prefill: a JSON list of overrides of the default tuning to time in its place, e.g. '
                          '\'[{}, {"phase2_transposed": true}]\'')
     ap.add_argument("--decode-tunings", type=json.loads, default=None,
-                    help='decode: a JSON list of overrides of the default tuning, each timed, e.g. \'[{}, {"v_steps": 4}]\'')
+                    help='decode: a JSON list of overrides of the default tuning, each timed, e.g. \'[{}, {"block_v": 32}]\'')
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the --tunings this many times in turn (A B A B ...: same-run comparisons)")
     ap.add_argument("--checkpoint", type=int, default=0,

@@ -39,3 +39,13 @@ def test_device_seconds_is_the_difference_of_two_batches_over_n(monkeypatch):
     # without `calls`: one timed call sizes the batches (0.503 s here: the minimum, 2)
     timing.device_seconds(fn, jnp.zeros(3), reps=1)
     assert len(calls) == 2 + 2 + 4
+
+
+def test_every_benchmark_and_gpu_script_compiles():
+    """The GPU-only scripts (benchmarks/, tests/gpu/) never run in CI; a syntax error in one would surface only
+    on the device, at the cost of a call. Byte-compile each (nothing is imported or run)."""
+    root = Path(__file__).resolve().parents[1]
+    scripts = sorted((root / "benchmarks").glob("*.py")) + sorted((root / "tests" / "gpu").glob("*.py"))
+    assert len(scripts) > 5
+    for path in scripts:
+        compile(path.read_text(), str(path), "exec")
