@@ -2,9 +2,10 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 123456789 (default 1234), e.g. "13", "25", "4"
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789 (default 1234), e.g. "13", "25", "4"
 # The next runs (docs/benchmarks.md, "Still to run"): "2" (the prefill default with both peers), "8" (MoE by
-# device time), "6" with MOE_CANDIDATES. "1" is the KDA tests (all 37 passed in 313 s on a cold
+# device time), "0" (KDA decode: value tiles with the state stored after the counter, with fla), "6" with
+# MOE_CANDIDATES. "1" is the KDA tests (all 37 passed in 313 s on a cold
 # machine, 2026-12-05).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
@@ -28,6 +29,15 @@ step() {  # name, seconds, command...
   echo "== $name done in $((SECONDS - t0))s" | tee -a "$OUT/$name.txt"
 }
 
+case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check included), then the default and
+  # the value tiles (KDA_DECODE_CANDIDATES, JSON) at N = 1, 32, 256 with fla
+  [ -n "${KDA_DECODE_CANDIDATES:-}" ] || \
+    KDA_DECODE_CANDIDATES='[{}, {"block_v": 32}, {"block_v": 32, "num_warps": 2}, {"block_v": 64, "num_warps": 2}]'
+  XLA_FLAGS=--xla_gpu_autotune_level=0 step 0-kda-decode-tests ${LIMIT_0a:-200} \
+    python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k decode
+  step 0-kda-decode-bench ${LIMIT_0b:-240} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
+    --decode-tunings "$KDA_DECODE_CANDIDATES" ;;
+esac
 case $STEPS in *1*)  # the references' fp32 GEMMs need no autotuning for a correctness check
   XLA_FLAGS=--xla_gpu_autotune_level=0 step 1-kda-tests ${LIMIT_1:-480} \
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py ;;

@@ -154,13 +154,17 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     pred = jnp.sum(s * k[:, None], axis=0)
     s = s + k[:, None] * (beta * (v - pred))[None, :]
     o_raw[n, h, cols] = jnp.sum(s * q[:, None], axis=0)  # read after the update, un-normed fp32
-    plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, bv)))
     # Publish: every thread's stores (and loads) come before the CTA barrier, which comes before the counter's
     # atomic add (acquire-release, GPU scope: the grid-sync pattern). The interpreter runs programs one by one.
     if not interpret:
         plt.debug_barrier()
-    store_tails(2, vs, hv, bv)  # after the barrier: every thread of this program has read these channels
     done = plt.atomic_add(cnt_ref, (n, h), jnp.ones((), jnp.int32))
+    # Only the output slice has to be visible to the head's last tile; the state slice and this tile's value
+    # tails are read by no other program, so they are stored after the count. The atomic's release fence
+    # (MEMBAR.GPU) waits for every store issued before it: with the 16 KB state slice behind it, each program
+    # waited for its state to reach memory before it could finish.
+    plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, bv)))
+    store_tails(2, vs, hv, bv)  # after the barrier: every thread of this program has read these channels
 
     @pl.when(done == dv // bv - 1)
     def _last():  # every tile of the head has stored its output slice and has read the q/k tails
