@@ -11,11 +11,12 @@ Value tiles (`tuning=dict(block_v=B)`, B a power of two below V that divides it)
 becomes (V // B, H, N) (or (V // B, N, H)), more and smaller programs (a [K, B] slice of the state each, fewer
 registers). The prediction, the delta-rule update and the read are independent per value column, so each
 program recomputes the head's q/k conv + SiLU, the gate and the q/k L2 norm (K channels each), convolves only
-its B value channels, updates and reads only its state slice, and writes its un-normed fp32 output slice and
-its value channels' conv tails. The output RMSNorm needs the whole value row, and the q/k tails are read by
-every tile of the head: so each program then increments a per-(sequence, head) counter (an atomic add after a
-CTA barrier: the grid-sync pattern, which makes the program's stores visible before the count), and the
-program that brings it to V // B, the head's last, norms the row and writes the q/k tails.
+its B value channels, updates and reads only its state slice, and writes its un-normed fp32 output slice. The
+output RMSNorm needs the whole value row, and the q/k tails are read by every tile of the head: so each
+program then increments a per-(sequence, head) counter (an atomic add after a CTA barrier: the grid-sync
+pattern, which makes the output slice visible before the count), then stores its state slice and its value
+channels' conv tails (no other program reads them), and the program that brings the count to V // B, the
+head's last, norms the row and writes the q/k tails.
 """
 
 from __future__ import annotations
