@@ -3,9 +3,9 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789 (default 1234), e.g. "13", "25", "4"
-# The next runs (docs/benchmarks.md, "Still to run"): "2" (the prefill default with both peers), "8" (MoE by
-# device time), "0" (KDA decode: value tiles with the state stored after the counter, with fla), "6" with
-# MOE_CANDIDATES. "1" is the KDA tests (all 37 passed in 313 s on a cold
+# The next runs (docs/benchmarks.md, "Still to run"), in this order: "2" (the prefill default with both
+# peers), "0" (KDA decode: value tiles with the state stored after the counter, with fla), "8" (MoE by device
+# time), "6" with MOE_CANDIDATES. "1" is the KDA tests (all 37 passed in 313 s on a cold
 # machine, 2026-12-05).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
