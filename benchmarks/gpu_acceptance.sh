@@ -7,7 +7,8 @@
 # peers), "0" (KDA decode: value tiles with the state stored after the counter, with fla), "8" (MoE by device
 # time), "6" with MOE_CANDIDATES. "1" is the KDA tests (all 37 passed in 313 s on a cold
 # machine, 2026-12-05).
-# A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360; step 2's shapes with SHAPES_2.
+# A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (step 0: LIMIT_0a for its tests,
+# LIMIT_0b for its benchmark); step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
 set -u

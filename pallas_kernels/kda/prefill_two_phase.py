@@ -381,9 +381,10 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     )(cu, choff, cpo, *work, s0)
 
 
-def check(chunk, lower_bound, unsupported, phase1_chunks=1, phase1_inverse="series", phase2_transposed=True,
-          wq_interleaved=False, phase2_prefetch=(), phase1_products="tf32"):
-    """The two-phase variant's own limits (raises `unsupported(msg)`)."""
+def check(chunk, lower_bound, unsupported, phase1_chunks, phase1_inverse, phase2_transposed, wq_interleaved,
+          phase2_prefetch, phase1_products):
+    """The two-phase variant's own limits (raises `unsupported(msg)`); the tuning's values come from the caller's
+    merged tuning (TWO_PHASE_DEFAULTS holds the defaults, so none are repeated here)."""
     if phase1_products not in PHASE1_PRODUCTS:
         raise unsupported(f"kda_prefill two-phase kernel: phase1_products = {phase1_products!r} is not one of "
                           f"{PHASE1_PRODUCTS}")
