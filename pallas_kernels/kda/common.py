@@ -62,12 +62,21 @@ def series_inverse(a, eye, index: int):
     return x
 
 
-def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int, chunk: int, span):
+def checkpoint_table(first, reached, fill_end):
+    """The int32 [3 * nseq] table the prefill kernels read their checkpoint rows from: sequence n's first
+    row, how many checkpoints it reaches, and the row (exclusive) up to which its programs fill the rows
+    past those (`serial_chunks`)."""
+    return jnp.concatenate([first, reached, fill_end]).astype(jnp.int32)
+
+
+def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int):
     """After chunk `done` (1-based) of sequence n, store the state tile s at that sequence's checkpoint
-    row when `done` is a multiple of `every` chunks inside its `span` tokens (lax.rem / lax.div: jnp's
-    `%` and `//` fail the Triton lowering on jax 0.10.2)."""
-    full = (jax.lax.rem(done, jnp.int32(every)) == 0) & (done * chunk <= span)
-    row = jnp.minimum(cpo_ref[n] + jax.lax.div(done, jnp.int32(every)) - 1, cp_ref.shape[0] - 1)
+    row when `done` is a multiple of `every` chunks and the sequence reaches that checkpoint (cpo_ref: the
+    `checkpoint_table`; lax.rem / lax.div: jnp's `%` and `//` fail the Triton lowering on jax 0.10.2)."""
+    nseq = cpo_ref.shape[0] // 3
+    idx = jax.lax.div(done, jnp.int32(every))
+    full = (jax.lax.rem(done, jnp.int32(every)) == 0) & (idx <= cpo_ref[nseq + n])
+    row = jnp.minimum(cpo_ref[n] + idx - 1, cp_ref.shape[0] - 1)
     plt.store(cp_ref.at[row, h, :, vt], s.astype(cp_ref.dtype), mask=jnp.broadcast_to(full, s.shape))
 
 
@@ -105,10 +114,13 @@ def chunk_state_step_t(st, u0t, products, m, k_tail, decay_row, o_ref, *, t0, h,
 
 
 def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos, chunk: int, cp_every: int,
-                  transposed: bool = False, prefetch=None):
+                  cp_fill_zero: bool = False, transposed: bool = False, prefetch=None):
     """A program's walk over sequence n's chunks: its state tile from s0, `step(j, s) -> s'` per chunk j,
-    the checkpoint after each chunk when asked (cp_refs holds the checkpoint output, or is empty), and the
-    final state into sf. transposed: `step` carries the tile as S^T [BV, K] (the refs hold [K, BV]).
+    the checkpoint after each chunk when asked (cp_refs holds the checkpoint output, or is empty; cpo_ref
+    the `checkpoint_table`), and the final state into sf. After the walk the program also writes its tile
+    of the checkpoint rows past those the sequence reaches, up to the table's fill end: the final state
+    (a batch row shorter than T), or zeros with cp_fill_zero (the rows after the last packed sequence), so
+    that every checkpoint row is written by the kernel and no pass over them follows. transposed: `step` carries the tile as S^T [BV, K] (the refs hold [K, BV]).
     prefetch: `prefetch(j)` loads what chunk j needs from memory (any pytree of tiles); the loop then issues
     chunk j + 1's loads before chunk j's products, carries them, and calls `step(j, s, loaded)`, so that the
     serial chain does not wait on those loads (j + 1 may be one past the sequence's last chunk: `prefetch`
@@ -117,8 +129,7 @@ def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos,
 
     def after(j, s):
         if cp_every:
-            store_checkpoint(cp_refs[0], cpo_ref, out(s), n=n, h=h, vt=vt, done=j + 1, every=cp_every,
-                             chunk=chunk, span=eos - bos)
+            store_checkpoint(cp_refs[0], cpo_ref, out(s), n=n, h=h, vt=vt, done=j + 1, every=cp_every)
         return s
 
     s0 = out(s0_ref[n, h, :, vt].astype(jnp.float32))
@@ -133,3 +144,12 @@ def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos,
 
         s, _ = jax.lax.fori_loop(0, count, body, (s0, prefetch(0)))
     sf_ref[n, h, :, vt] = out(s).astype(sf_ref.dtype)
+    if cp_every:
+        cp_ref, nseq = cp_refs[0], cpo_ref.shape[0] // 3
+        fill = (jnp.zeros_like if cp_fill_zero else lambda x: x)(out(s)).astype(cp_ref.dtype)
+
+        def fill_row(r, carry):
+            cp_ref[r, h, :, vt] = fill
+            return carry
+
+        jax.lax.fori_loop(cpo_ref[n] + cpo_ref[nseq + n], cpo_ref[2 * nseq + n], fill_row, 0)

@@ -42,6 +42,7 @@ from kimik3_jax.ops.kda import L2_EPS
 from pallas_kernels.kda import prefill_two_phase as two_phase
 from pallas_kernels.kda.common import (
     cdiv,
+    checkpoint_table,
     chunk_state_step,
     compiler_params,
     dot_nt,
@@ -65,7 +66,8 @@ MAX_ANCHOR_EXPONENT = 80.0  # e^80 = 5.5e34 < bf16/fp32 max 3.4e38, with room fo
 
 
 def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref,
-                    o_ref, sf_ref, *cp_ref, heads, chunk, block_v, lower_bound, gate, qk_norm, cp_every):
+                    o_ref, sf_ref, *cp_ref, heads, chunk, block_v, lower_bound, gate, qk_norm, cp_every,
+                    cp_fill_zero):
     f32, bf16 = jnp.float32, jnp.bfloat16
     pid, iv = pl.program_id(0), pl.program_id(1)
     n, h = pid // heads, pid % heads
@@ -112,7 +114,7 @@ def _prefill_kernel(cu_ref, ends_ref, cpo_ref, alog_ref, q_ref, k_ref, v_ref, g_
                                 vt=vt, rows_in=inb)
 
     serial_chunks(step, s0_ref, sf_ref, cp_ref, cpo_ref, n=n, h=h, vt=vt, bos=bos, eos=eos, chunk=chunk,
-                  cp_every=cp_every)
+                  cp_every=cp_every, cp_fill_zero=cp_fill_zero)
 
 
 def _tuning(tuning, q=None, v=None, cu_seqlens=None):
@@ -191,11 +193,17 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
     out_dtype = jnp.dtype(out_dtype or jnp.float32)
     n_cp = (tt // checkpoint) * (b if cu_seqlens is None else 1) if checkpoint else 0
     cp_every = checkpoint // chunk if n_cp else 0
-    if cu_seqlens is None or not n_cp:
-        cpo = (jnp.arange(nseq) * (tt // checkpoint if checkpoint else 0)).astype(jnp.int32)
+    # The checkpoint rows, all written by the kernels: a batch row's tt // checkpoint rows hold its states,
+    # the final one past its length; packed sequences' rows follow each other, zeros after the last.
+    reached = (ends - cu[:-1]) // max(checkpoint, 1)
+    if cu_seqlens is None:
+        per = tt // checkpoint if checkpoint else 0
+        first = jnp.arange(nseq, dtype=jnp.int32) * per
+        fill_end = first + per
     else:
-        per_seq = (cu[1:] - cu[:-1]) // checkpoint
-        cpo = (jnp.cumsum(per_seq) - per_seq).astype(jnp.int32)
+        first = jnp.cumsum(reached) - reached
+        fill_end = jnp.where(jnp.arange(nseq) == nseq - 1, n_cp, first + reached)
+    cpo = checkpoint_table(first, reached, fill_end)
     a_log_arr = jnp.zeros((nh,), jnp.float32) if a_log is None else a_log.astype(jnp.float32)
     out_shape = [jax.ShapeDtypeStruct((b * tt, nh, dv), out_dtype),
                  jax.ShapeDtypeStruct((nseq, nh, dk, dv), jnp.float32)]
@@ -207,11 +215,11 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
         outs = two_phase.run(
             cu, ends, cpo, a_log_arr, flat(q), flat(k), flat(v), flat(g), flat(beta), s0.astype(jnp.float32),
             out_shape=out_shape, heads=nh, chunk=chunk, block_v=block_v, lower_bound=lb, gate=a_log is not None,
-            qk_norm=qk_norm, cp_every=cp_every, n_chunks=n_chunks, interpret=resolve_interpret(interpret), tuning=t)
+            qk_norm=qk_norm, cp_every=cp_every, cp_fill_zero=cu_seqlens is not None, n_chunks=n_chunks, interpret=resolve_interpret(interpret), tuning=t)
     else:
         kernel = functools.partial(
             _prefill_kernel, heads=nh, chunk=chunk, block_v=block_v, lower_bound=lb, gate=a_log is not None,
-            qk_norm=qk_norm, cp_every=cp_every)
+            qk_norm=qk_norm, cp_every=cp_every, cp_fill_zero=cu_seqlens is not None)
         outs = pl.pallas_call(
             kernel, out_shape=out_shape, grid=(nseq * nh, dv // block_v),
             interpret=resolve_interpret(interpret), name="kda_prefill",
@@ -220,17 +228,5 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
     o = outs[0].reshape(b, tt, nh, dv)
     if not checkpoint:
         return o, outs[1]
-    if n_cp:
-        cps = outs[2]
-    else:
-        cps = jnp.zeros((0, nh, dk, dv), jnp.float32)
-    # The kernels write the checkpoints a sequence reaches; the rest are defined here as the op defines
-    # them: past a batch row's length its state stays the final one; packed rows past the last are zero.
-    reached = (ends - cu[:-1]) // checkpoint
-    if cu_seqlens is None:
-        cps = cps.reshape(b, tt // checkpoint, nh, dk, dv)
-        past = jnp.arange(tt // checkpoint)[None, :] >= reached[:, None]
-        cps = jnp.where(past[:, :, None, None, None], outs[1][:, None], cps)
-    else:
-        cps = jnp.where((jnp.arange(cps.shape[0]) >= jnp.sum(reached))[:, None, None, None], 0.0, cps)
-    return o, outs[1], cps
+    cps = outs[2] if n_cp else jnp.zeros((0, nh, dk, dv), jnp.float32)
+    return o, outs[1], (cps.reshape(b, tt // checkpoint, nh, dk, dv) if cu_seqlens is None else cps)

@@ -280,7 +280,7 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         jax.lax.fori_loop(0, per_program, lambda i, carry: (one(cb * per_program + i), carry)[1], 0)
 
 
-def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, transposed,
+def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, cp_fill_zero, transposed,
                    wq_interleaved, prefetch):
     f32 = jnp.float32
     names = workspace_names(wq_interleaved)
@@ -314,7 +314,7 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_
 
     load_ahead = (lambda j: {name: load(name, j, ahead=True) for name in prefetch}) if prefetch else None
     serial_chunks(step, s0_ref, sf_ref, cp_ref, cpo_ref, n=n, h=h, vt=vt, bos=bos, eos=eos, chunk=chunk,
-                  cp_every=cp_every, transposed=transposed, prefetch=load_ahead)
+                  cp_every=cp_every, cp_fill_zero=cp_fill_zero, transposed=transposed, prefetch=load_ahead)
 
 
 def chunk_table(cu, ends, chunk, n_chunks):
@@ -362,7 +362,7 @@ def phase1(t0, eos, end, a_log_arr, q, k, v, g, beta, *, heads, chunk, lower_bou
 
 
 def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chunk, block_v, lower_bound,
-        gate, qk_norm, cp_every, n_chunks, interpret, tuning):
+        gate, qk_norm, cp_every, cp_fill_zero, n_chunks, interpret, tuning):
     """Both phases on the flattened [rows, H, ...] inputs; returns what the one-phase pallas_call does."""
     dv = v.shape[-1]
     per = tuning["phase1_chunks"]
@@ -373,6 +373,7 @@ def run(cu, ends, cpo, a_log_arr, q, k, v, g, beta, s0, *, out_shape, heads, chu
     nseq = cu.shape[0] - 1
     return pl.pallas_call(
         functools.partial(_phase2_kernel, heads=heads, chunk=chunk, block_v=block_v, cp_every=cp_every,
+                          cp_fill_zero=cp_fill_zero,
                           transposed=tuning["phase2_transposed"], wq_interleaved=tuning["wq_interleaved"],
                           prefetch=tuple(tuning["phase2_prefetch"])),
         out_shape=out_shape, grid=(nseq * heads, dv // block_v), interpret=interpret,
