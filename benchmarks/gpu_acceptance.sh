@@ -2,11 +2,12 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789 (default 1234), e.g. "13", "25", "4"
-# The next runs (docs/benchmarks.md, "Still to run"), in this order: "2" (the prefill default with both
-# peers), "0" (KDA decode: value tiles with the state stored after the counter, with fla), "8" (MoE by device
-# time), "6" with MOE_CANDIDATES. "1" is the KDA tests (all 37 passed in 313 s on a cold
-# machine, 2026-12-05).
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789c (default 1234), e.g. "13", "25", "4"
+# The next runs (docs/benchmarks.md, "Still to run"), in this order: "c" (the checkpoint store as a branch:
+# the packed/checkpoint GPU tests, then prefill with and without checkpoints), "8" on an H200 (MoE by device
+# time; done on an H100 2026-12-05). Done 2026-12-05 on an H100: "2" (prefill target met with both peers),
+# "0" (decode tests pass; value tiles slower), "6" (MoE swap candidates: no gain). "1" is the KDA tests (all
+# 37 passed in 313 s on a cold H200, 2026-12-05).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (step 0: LIMIT_0a for its tests,
 # LIMIT_0b for its benchmark); step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
@@ -82,5 +83,15 @@ case $STEPS in *9*)  # each prefill phase alone, by Nsight Compute (duration, DR
   step 9-kda-phases ${LIMIT_9:-200} ncu --clock-control none -k regex:kda_prefill --csv --metrics \
     gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum,lts__t_sector_hit_rate.pct,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
     python3 tests/gpu/probe_ncu.py P ;;
+esac
+case $STEPS in *c*)  # prefill with checkpoints every 64 tokens (prefix caching): the packed/checkpoint GPU
+  # tests, then the timing with and without checkpoints, alternating twice (the first call compiles the
+  # XLA reference: about 450 s in all on a cold machine, 2026-12-05; LIMIT_ca, LIMIT_cb per step)
+  XLA_FLAGS=--xla_gpu_autotune_level=0 step c-kda-checkpoint-tests ${LIMIT_ca:-150} \
+    python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k packed
+  for run in 1-0 1-64 2-0 2-64; do  # round-checkpoint
+    step c-kda-checkpoint-$run ${LIMIT_cb:-150} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
+      --prefill-shapes ${SHAPES_c:-1x8192x96,16x4096x12} --checkpoint ${run#*-}
+  done ;;
 esac
 tail -n 25 "$OUT"/*.txt
