@@ -3,10 +3,11 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789c (default 1234), e.g. "13", "25", "4"
-# The next runs (docs/benchmarks.md, "Still to run"), in this order: "c" (the checkpoint store as a branch:
+# The next runs (docs/benchmarks.md, "Still to run"), in this order: "0" (KDA decode: the split launches'
+# GPU tests, then their tilings against the default with fla), "c" (the checkpoint store as a branch:
 # the packed/checkpoint GPU tests, then prefill with and without checkpoints), "8" on an H200 (MoE by device
 # time; done on an H100 2026-12-05). Done 2026-12-05 on an H100: "2" (prefill target met with both peers),
-# "0" (decode tests pass; value tiles slower), "6" (MoE swap candidates: no gain). "1" is the KDA tests (all
+# "0" (decode tests pass; the one-launch value tiles slower), "6" (MoE swap candidates: no gain). "1" is the KDA tests (all
 # 37 passed in 313 s on a cold H200, 2026-12-05).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (step 0: LIMIT_0a for its tests,
 # LIMIT_0b for its benchmark); step 2's shapes with SHAPES_2.
@@ -32,9 +33,9 @@ step() {  # name, seconds, command...
 }
 
 case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check included), then the default and
-  # the value tiles (KDA_DECODE_CANDIDATES, JSON) at N = 1, 32, 256 with fla
+  # the split launches (KDA_DECODE_CANDIDATES, JSON) at N = 1, 32, 256 with fla
   [ -n "${KDA_DECODE_CANDIDATES:-}" ] || \
-    KDA_DECODE_CANDIDATES='[{}, {"block_v": 32}, {"block_v": 32, "num_warps": 2}, {"block_v": 64, "num_warps": 2}]'
+    KDA_DECODE_CANDIDATES='[{}, {"split": true}, {"split": true, "block_v": 32}, {"split": true, "block_v": 16}, {"split": true, "block_v": 32, "num_warps": 2}, {"split": true, "block_v": 64}]'
   XLA_FLAGS=--xla_gpu_autotune_level=0 step 0-kda-decode-tests ${LIMIT_0a:-200} \
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k decode
   step 0-kda-decode-bench ${LIMIT_0b:-240} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \

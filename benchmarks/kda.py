@@ -346,7 +346,7 @@ def main():
               f"| {fmt('ours_wall_ms')} / {fmt('jla_wall_ms')} | {errs} |")
     print(f"\n| decode N (H={args.decode_heads}) | ours us/step (by difference / 100-step loop average / rolled) "
           "| ours us/call | ours TB/s "
-          "| ours block_v, warps | fla us (do_bench / graph) | fla TB/s (graph) | err o / state |")
+          "| ours block_v, warps (split: three launches) | fla us (do_bench / graph) | fla TB/s (graph) | err o / state |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in result["decode"]:
         fla = (f"{r['fla_us']:.1f} / {r.get('fla_graph_us', float('nan')):.1f} | "
@@ -354,7 +354,7 @@ def main():
         t = dict(pdecode.TUNING, **r["ours_tuning"])
         print(f"| {r['n']} | {r['ours_us']:.1f} / {r['ours_loop_us']:.1f} / {r['ours_rolled_us']:.1f} | "
               f"{r['ours_call_us']:.1f} | "
-              f"{r['ours_tbps']:.2f} | {t['block_v'] or DV}, {t['num_warps']} | {fla} | "
+              f"{r['ours_tbps']:.2f} | {t['block_v'] or DV}, {t['num_warps']}{', split' if t['split'] else ''} | {fla} | "
               f"{r['ours_err_o']:.1e} / {r['ours_err_s']:.1e} |")
 
 

@@ -284,14 +284,16 @@ def decode_inputs(rng, n, pool, width=4, d=D):
 # The whole-V default with the tails in place (at D = 32, and at K = V = 128 as in the model), the whole-V
 # kernel with the tails scattered after it, and the value tiles (block_v 32 and 64 of V = 128: four and two
 # tiles per head, whose last tile norms the row and writes the q/k tails, all in place); two of them launch
-# the heads fastest.
+# the heads fastest; the split launches (prologue kernel, state kernel, XLA norm) whole-V and in tiles of 32.
 STATE_RTOL = 1e-6  # kernel vs op, both fp32 on the same inputs: ~1e-7 measured in every case
 DECODE_CASES = [(D, None), (128, None), (128, dict(tails_in_place=False, heads_fastest=True)), (128, dict(block_v=32)),
-                (128, dict(block_v=64, num_warps=4, heads_fastest=True))]
+                (128, dict(block_v=64, num_warps=4, heads_fastest=True)), (128, dict(split=True)),
+                (128, dict(split=True, block_v=32, heads_fastest=False))]
 
 
 @pytest.mark.parametrize("d,tuning", DECODE_CASES,
-                         ids=["d32-whole", "d128-whole", "d128-tails-scattered", "d128-bv32", "d128-bv64"])
+                         ids=["d32-whole", "d128-whole", "d128-tails-scattered", "d128-bv32", "d128-bv64",
+                              "d128-split", "d128-split-bv32"])
 def test_decode_kernel_matches_op_and_reference(d, tuning):
     rng = np.random.default_rng(605)
     n, pool = 4, 7
@@ -348,6 +350,33 @@ def test_decode_value_split_equals_whole_v_and_checks_block_v():
             kda_decode(*x.values(), interpret=True, tuning=dict(block_v=bad), **kw)
     with pytest.raises(ValueError, match="always write the tails in place"):
         kda_decode(*x.values(), interpret=True, tuning=dict(block_v=16, tails_in_place=False), **kw)
+    with pytest.raises(ValueError, match="always writes the tails in place"):
+        kda_decode(*x.values(), interpret=True, tuning=dict(split=True, tails_in_place=False), **kw)
+
+
+@pytest.mark.parametrize("block_v", [None, 16])
+def test_decode_split_equals_fused_over_steps(block_v):
+    """The split launches against the fused whole-V kernel over three steps on the same pools (each step's
+    pools fed to the next, one row inactive in the second): states to fp32 rounding, tails exactly, outputs
+    at bf16 level, and slots no row names untouched."""
+    rng = np.random.default_rng(611)
+    x = decode_inputs(rng, 3, 6, d=64)
+    kw = dict(eps=1e-5, lower_bound=LB, a_log=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32))
+    fused, split = dict(x), dict(x)
+    for step, lens in enumerate(([1, 1, 1], [1, 0, 1], [1, 1, 1])):
+        new = decode_inputs(rng, 3, 6, d=64)  # this step's token: fresh projections, gate, beta
+        for name in ("qkv", "g", "beta", "gate"):
+            fused[name] = split[name] = new[name]
+        lengths = jnp.asarray(lens, jnp.int32)
+        o, fused["conv_pool"], fused["s_pool"] = kda_decode(*fused.values(), interpret=True, lengths=lengths, **kw)
+        o2, split["conv_pool"], split["s_pool"] = kda_decode(*split.values(), interpret=True, lengths=lengths,
+                                                             tuning=dict(split=True, block_v=block_v), **kw)
+        assert_close(o2, o, BF16_RTOL, axis=-1, what=f"step {step} split vs fused output")
+        assert_close(split["s_pool"], fused["s_pool"], STATE_RTOL, axis=(-2, -1), what=f"step {step} state")
+        np.testing.assert_array_equal(np.asarray(split["conv_pool"], np.float32),
+                                      np.asarray(fused["conv_pool"], np.float32))
+    untouched = np.setdiff1d(np.arange(6), np.asarray(x["slots"]))
+    np.testing.assert_array_equal(np.asarray(split["s_pool"])[untouched], np.asarray(x["s_pool"])[untouched])
 
 
 # ------------------------------------------------------------------------------------------- the switch

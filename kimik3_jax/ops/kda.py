@@ -246,6 +246,12 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
     return o, res[1], cps
 
 
+def gated_output_norm(o: jax.Array, norm_w: jax.Array, gate: jax.Array, eps: float, dtype) -> jax.Array:
+    """KDA's output: the RMSNorm of o over V (weight norm_w) times sigmoid(gate), cast to dtype."""
+    o = rms_norm(o, norm_w, eps)
+    return (o * jax.nn.sigmoid(gate.astype(o.dtype))).astype(dtype)
+
+
 def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, eps, lengths=None,
                a_log=None, lower_bound=None, qk_norm=True):
     """One fused decode step for N sequences whose states live in pools, the op the Pallas decode kernel
@@ -270,6 +276,4 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     g = jnp.where(active[:, None, None], g, 0.0)
     beta = jnp.where(active[:, None], beta, 0.0)
     o, s = kda_step(s_pool[slots], q, k, v, g, beta)
-    o = rms_norm(o, norm_w, eps)
-    o = (o * jax.nn.sigmoid(gate.astype(o.dtype))).astype(qkv.dtype)
-    return o, conv_pool.at[slots].set(jnp.stack(new_tails, axis=1)), s_pool.at[slots].set(s)
+    return gated_output_norm(o, norm_w, gate, eps, qkv.dtype), conv_pool.at[slots].set(jnp.stack(new_tails, axis=1)), s_pool.at[slots].set(s)

@@ -29,8 +29,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.impl import Unsupported, register
-from kimik3_jax.ops.kda import L2_EPS
 from pallas_kernels.kda.common import compiler_params, resolve_interpret
+from pallas_kernels.kda.decode_parts import conv as _conv
+from pallas_kernels.kda.decode_parts import gated_norm as _gated_norm
+from pallas_kernels.kda.decode_parts import grid as _grid
+from pallas_kernels.kda.decode_parts import head_prologue as _head_prologue
+from pallas_kernels.kda.decode_split import decode_split
 
 # block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29).
 # tails_in_place (None or True: in place): the kernel writes the new conv tails into their slots of the aliased
@@ -41,51 +45,9 @@ from pallas_kernels.kda.common import compiler_params, resolve_interpret
 # read adjacent states of one slot, instead of the same head of every sequence (grid (..., N, H)). On the H200
 # (2026-12-02, H = 96, whole V): 132.6 against 133.8 us per step at N = 32, 997.3 against 1024.1 at N = 256;
 # value tiles of 32 gained 5-7%.
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True)
-
-
-def _grid(nb: int, nh: int, heads_fastest: bool, tiles: tuple = ()):
-    """The launch grid (`tiles` first, then rows and heads in the order asked for) and the kernel's
-    (*tile, n, h) from its program ids."""
-    k = len(tiles)
-    if heads_fastest:
-        return tiles + (nh, nb), lambda: (*(pl.program_id(i) for i in range(k)), pl.program_id(k + 1), pl.program_id(k))
-    return tiles + (nb, nh), lambda: tuple(pl.program_id(i) for i in range(k + 2))
-
-
-def _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
-    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head);
-    an inactive row gets g = 0 and beta = 0 (its state stays as it is)."""
-    f32 = jnp.float32
-    dk = q.shape[0]
-    if qk_norm:
-        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-    g = g_ref[n, h, :].astype(f32)
-    if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
-    g = jnp.where(active, g, 0.0)
-    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
-    return q, k, g, beta
-
-
-def _gated_norm(o, nw_ref, gate_row, eps):
-    """The output's RMSNorm over V (weight nw) times sigmoid(gate), in fp32."""
-    f32 = jnp.float32
-    o = o * jax.lax.rsqrt(jnp.sum(o * o) / o.shape[-1] + eps) * nw_ref[...].astype(f32)
-    return o * jax.nn.sigmoid(gate_row.astype(f32))
-
-
-def _conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size):
-    """Channel block `chans` of projection j of row n: the causal conv over the slot's tail and the new
-    token, SiLU, rounded to the activation dtype as the reference does; and the conv's history (tail + token)."""
-    f32 = jnp.float32
-    width = w_ref.shape[-1]
-    hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [qkv_ref[n, j, chans]]
-    y = jnp.zeros((size,), f32)
-    for r in range(width):
-        y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
-    return jax.nn.silu(y).astype(qkv_ref.dtype).astype(f32), hist
+# split: three launches (`decode_split.py`): a prologue kernel per (sequence, head), a state-only kernel per
+# value tile (block_v; None: whole V), the output norm by XLA. Not yet timed on a GPU (2026-12-05).
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=False)
 
 
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
@@ -222,6 +184,13 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
                          "tails_in_place=False needs the whole-V kernel")
     slots = slots.astype(jnp.int32)
     lb = float(lower_bound) if lower_bound is not None else 0.0
+    if t["split"]:
+        if not in_place:
+            raise ValueError("kda_decode kernel: split=True always writes the tails in place; tails_in_place=False "
+                             "needs the whole-V kernel")
+        return decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
+                            eps=float(eps), tuning=t, interpret=resolve_interpret(interpret), lower_bound=lb,
+                            gate_on=a_log is not None, qk_norm=qk_norm)
     if bv < dv:
         return _decode_tiles(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
                              eps=float(eps), tuning=t, interpret=resolve_interpret(interpret), lower_bound=lb,

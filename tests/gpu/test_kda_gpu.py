@@ -109,12 +109,15 @@ def decode_case(n, h=96, w=4):
 
 
 @pytest.mark.parametrize("tuning", [None, dict(tails_in_place=False), dict(block_v=32, num_warps=4),
-                                    dict(block_v=64, num_warps=2), dict(heads_fastest=False)],
-                         ids=["whole", "tails-scattered", "bv32", "bv64-2w", "whole-sequences-fastest"])
+                                    dict(block_v=64, num_warps=2), dict(heads_fastest=False),
+                                    dict(split=True, block_v=32)],
+                         ids=["whole", "tails-scattered", "bv32", "bv64-2w", "whole-sequences-fastest",
+                              "split-bv32"])
 @pytest.mark.parametrize("n", [1, 32, 256])
 def test_decode_matches_reference(n, tuning):
     """None: whole V per program with the conv tails in place, heads fastest (the default); the whole-V
-    kernel with the tails scattered after it, and with sequences fastest; value tiles."""
+    kernel with the tails scattered after it, and with sequences fastest; value tiles; the split launches
+    (prologue kernel, state kernel in value tiles, the norm by XLA)."""
     args, kw = decode_case(n)
     o, c, s = jax.jit(lambda *a: kda_decode(*a, tuning=tuning, **kw))(*args)
     # The state is at bf16 level, not fp32: the op rounds the conv + SiLU output to bf16 (as the layer

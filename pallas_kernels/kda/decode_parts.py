@@ -1,0 +1,55 @@
+"""The pieces the Pallas decode kernels share (`decode.py` and `decode_split.py`): the launch grid, a
+channel block's causal conv, the head's prologue (q/k norms, gate, beta) and the output's gated RMSNorm,
+each on values already in registers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kimik3_jax.ops.kda import L2_EPS
+
+
+def grid(nb: int, nh: int, heads_fastest: bool, tiles: tuple = ()):
+    """The launch grid (`tiles` first, then rows and heads in the order asked for) and the kernel's
+    (*tile, n, h) from its program ids."""
+    k = len(tiles)
+    if heads_fastest:
+        return tiles + (nh, nb), lambda: (*(pl.program_id(i) for i in range(k)), pl.program_id(k + 1), pl.program_id(k))
+    return tiles + (nb, nh), lambda: tuple(pl.program_id(i) for i in range(k + 2))
+
+
+def head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
+    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head);
+    an inactive row gets g = 0 and beta = 0 (its state stays as it is)."""
+    f32 = jnp.float32
+    dk = q.shape[0]
+    if qk_norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    g = g_ref[n, h, :].astype(f32)
+    if gate:
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+    g = jnp.where(active, g, 0.0)
+    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+    return q, k, g, beta
+
+
+def gated_norm(o, nw_ref, gate_row, eps):
+    """The output's RMSNorm over V (weight nw) times sigmoid(gate), in fp32."""
+    f32 = jnp.float32
+    o = o * jax.lax.rsqrt(jnp.sum(o * o) / o.shape[-1] + eps) * nw_ref[...].astype(f32)
+    return o * jax.nn.sigmoid(gate_row.astype(f32))
+
+
+def conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size):
+    """Channel block `chans` of projection j of row n: the causal conv over the slot's tail and the new
+    token, SiLU, rounded to the activation dtype as the reference does; and the conv's history (tail + token)."""
+    f32 = jnp.float32
+    width = w_ref.shape[-1]
+    hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [qkv_ref[n, j, chans]]
+    y = jnp.zeros((size,), f32)
+    for r in range(width):
+        y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
+    return jax.nn.silu(y).astype(qkv_ref.dtype).astype(f32), hist

@@ -1,0 +1,93 @@
+"""The KDA decode step in three launches (`kda_decode(..., tuning=dict(split=True, block_v=B))`), fla's layout:
+
+1. `_prologue_kernel`, one program per (sequence, head): the q/k/v causal conv + SiLU over the slot's tails,
+   the gate, the q/k L2 norm and beta (the fused kernel's prologue, the same code), written as fp32 rows
+   [N, H, 5, K]: q, k, v, the log decay g, and beta repeated along the row; the new conv tails in place.
+2. `_state_kernel`, one program per (value tile, sequence, head): the decay, the delta-rule update and the
+   read on a [K, B] slice of the state, in place, and its un-normed fp32 output slice.
+3. The gated RMSNorm over V, by XLA (`kimik3_jax.ops.kda.gated_output_norm`, the op's own function).
+
+Why: the one-launch kernels put the prologue in front of the state stream, once per head (whole V: about 110
+registers held before the first state tile) or once per value tile (the tiles kernel repeats the q/k conv
+and norms V / B times and ends on a cross-program counter). Here the state programs carry only the state
+arithmetic, as fla's `fused_recurrent_kda` does; the price is two more launches and 5 K fp32 per (sequence,
+head) written and read back (2.5 KB against the 128 KB of state traffic at K = V = 128).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kimik3_jax.ops.kda import gated_output_norm
+from pallas_kernels.kda.common import compiler_params
+from pallas_kernels.kda.decode_parts import conv, grid, head_prologue
+
+PRE_ROWS = 5  # q, k, v, g, beta
+
+
+def _prologue_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, g_ref, b_ref, pre_ref, tails_out, *,
+                     lower_bound, gate, qk_norm, ids):
+    n, h = ids()
+    dk = pre_ref.shape[-1]
+    width = w_ref.shape[-1]
+    slot = slots_ref[n]
+    active = lens_ref[n] > 0
+    cs = pl.ds(h * dk, dk)
+    keep = jnp.broadcast_to(active, (dk,))
+    ys, tails = [], []
+    for j in range(3):
+        y, hist = conv(conv_ref, qkv_ref, w_ref, slot, n, j, cs, dk)
+        ys.append(y)
+        tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)) for r in range(width - 1)]
+    q, k, g, beta = head_prologue(ys[0], ys[1], g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
+    for i, x in enumerate((q, k, ys[2], g, jnp.broadcast_to(beta, (dk,)))):
+        pre_ref[n, h, i, :] = x
+    for j, r, t in tails:  # after every load of the tails (the pool is aliased)
+        tails_out[slot, j, r, cs] = t
+
+
+def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids):
+    f32 = jnp.float32
+    t, n, h = ids()
+    dk = s_ref.shape[-2]
+    slot = slots_ref[n]
+    cols = pl.ds(t * bv, bv)
+    s0 = s_ref[slot, h, :, cols]
+    q, k, g = pre_ref[n, h, 0, :], pre_ref[n, h, 1, :], pre_ref[n, h, 3, :]
+    v = pre_ref[n, h, 2, cols]
+    beta = jnp.max(pre_ref[n, h, 4, :])  # the row holds beta K times
+    s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
+    pred = jnp.sum(s * k[:, None], axis=0)
+    s = s + k[:, None] * (beta * (v - pred))[None, :]
+    o_raw[n, h, cols] = jnp.sum(s * q[:, None], axis=0)
+    # an inactive row (g = 0, beta = 0) leaves its state as it is: not written at all
+    plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(lens_ref[n] > 0, (dk, bv)))
+
+
+def decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, *, bv, eps, tuning,
+                 interpret, lower_bound, gate_on, qk_norm):
+    """The three launches; both pools in place (aliased). Returns (o, conv_pool, s_pool) as `kda_decode`."""
+    nb, nh = qkv.shape[0], s_pool.shape[1]
+    dk, dv = s_pool.shape[-2:]
+    params = compiler_params(tuning["num_warps"], tuning["num_stages"])
+    head_grid, head_ids = grid(nb, nh, tuning["heads_fastest"])
+    pre, conv_pool = pl.pallas_call(
+        functools.partial(_prologue_kernel, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm, ids=head_ids),
+        out_shape=(jax.ShapeDtypeStruct((nb, nh, PRE_ROWS, dk), jnp.float32),
+                   jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
+        grid=head_grid, input_output_aliases={5: 1}, interpret=interpret, name="kda_decode_prologue",
+        compiler_params=params,
+    )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, g, beta)
+    tile_grid, tile_ids = grid(nb, nh, tuning["heads_fastest"], (dv // bv,))
+    o_raw, s_pool = pl.pallas_call(
+        functools.partial(_state_kernel, bv=bv, ids=tile_ids),
+        out_shape=(jax.ShapeDtypeStruct((nb, nh, dv), jnp.float32), jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype)),
+        grid=tile_grid, input_output_aliases={3: 1}, interpret=interpret, name="kda_decode_state",
+        compiler_params=params,
+    )(slots, lens, pre, s_pool)
+    return gated_output_norm(o_raw, norm_w, gate, eps, qkv.dtype), conv_pool, s_pool
