@@ -2,10 +2,11 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789c (default 1234), e.g. "13", "25", "4"
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cm (default 1234), e.g. "13", "25", "4"
 # The next runs (docs/benchmarks.md, "Still to run"), in this order: "0" (KDA decode: the split launches'
 # GPU tests, then their tilings against the default with fla), "c" (the checkpoint store as a branch:
-# the packed/checkpoint GPU tests, then prefill with and without checkpoints), "8" on an H200 (MoE by device
+# the packed/checkpoint GPU tests, then prefill with and without checkpoints), "m" (the Mosaic GPU MXFP4
+# GEMM: does it lower and run on jax 0.11.2, is it right, how many TFLOP/s), "8" on an H200 (MoE by device
 # time; done on an H100 2026-12-05). Done 2026-12-05 on an H100: "2" (prefill target met with both peers),
 # "0" (decode tests pass; the one-launch value tiles slower), "6" (MoE swap candidates: no gain). "1" is the KDA tests (all
 # 37 passed in 313 s on a cold H200, 2026-12-05).
@@ -94,5 +95,9 @@ case $STEPS in *c*)  # prefill with checkpoints every 64 tokens (prefix caching)
     step c-kda-checkpoint-$run ${LIMIT_cb:-150} python3 -u benchmarks/kda.py --only prefill --no-peers --reps 10 \
       --prefill-shapes ${SHAPES_c:-1x8192x96,16x4096x12} --checkpoint ${run#*-}
   done ;;
+esac
+case $STEPS in *m*)  # MoE prefill on Mosaic GPU (experimental): one expert's warp-specialised MXFP4 GEMM against
+  # the dequantised product and beside a dense bf16 jnp.dot, at 256..4096 tokens (MGPU_T, MGPU_TUNINGS)
+  step m-moe-mgpu ${LIMIT_m:-300} python3 -u tests/gpu/probe_mgpu_mxfp4.py ;;
 esac
 tail -n 25 "$OUT"/*.txt

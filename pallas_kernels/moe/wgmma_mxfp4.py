@@ -1,0 +1,135 @@
+"""Experimental (issue 7, not yet run on a GPU): one expert's MXFP4 x bf16 GEMM on Pallas' Mosaic GPU backend,
+warp-specialised, the design docs/benchmarks.md ("Still to run", the MoE prefill item) asks for. The Triton
+kernels decode a weight tile in registers and then wait on every wgmma, so decoding never overlaps the
+tensor cores; here a memory warpgroup streams the packed weights, the scales and the activations into a ring
+of shared-memory stages by TMA while two compute warpgroups decode and issue wgmma.
+
+out[N, T] = W[N, K] @ x[T, K]^T, with W stored as MXFP4: `packed` [N, K/2] uint8 (low nibble = k even, high
+nibble = k odd, as the release stores it) and `scales_t` [K/32, N] uint8 E8M0 (the release's [N, K/32],
+transposed once at load: a TMA copy needs 16 bytes along the last dimension, and a row of N bytes gives each
+step its scales for 128 output rows).
+
+How the decode avoids any register shuffles (offline lowering on jax 0.10.2, 2026-12-05):
+- K is split into its even and odd halves ("planes"): a GEMM is unchanged when one permutation of K is
+  applied to both operands, so W's low nibbles meet x's even columns and the high nibbles the odd ones.
+  Each plane is an elementwise op on the packed bytes; `x_planes` ([2, K/2, T] bf16) is x's even and odd
+  columns, transposed, made once by XLA.
+- The weights are wgmma's A operand, in registers; the activation planes are B, in shared memory.
+- Each wgmma takes 16 plane columns (32 k of the original order): exactly one E8M0 block, so the scale is
+  one factor per output row, a row broadcast in the WGMMA layout. (A 128-byte swizzle would make each wgmma
+  take 64 columns and need the scale broadcast per 16 columns; the activations use a 32-byte swizzle.)
+- e2m1 to bf16 with integer ops: the sign to bit 15 and the three exponent/mantissa bits to bits 6-8 give
+  the value times 2^-126 as a bf16 bit pattern (subnormals included), then two exact multiplies by powers of
+  two: 2^126 and 2^(s - 127). (One multiply by 2^(s - 1) would do for s <= 128, as the Triton kernels' quick
+  decoder does; the exact form is the first step.)
+
+Not registered with the `impl` switch: grouping over experts (the dispatch's sorted tokens and group offsets),
+gate+up in one pass with the SiTU epilogue and down with the routing weights come after the GPU has timed
+this single-expert GEMM (tests/gpu/probe_mgpu_mxfp4.py) against a dense bf16 GEMM. The transposed scales are
+3% of the packed bytes, an extra copy at load if the Triton decode kernels keep the release's layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS_PER_WG = 64  # wgmma's M
+SCALE_BLOCK = 32  # k per E8M0 scale
+PLANE_STEP = SCALE_BLOCK // 2  # plane columns per wgmma: one scale block
+X_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+# The weight tile in shared memory as tiles of 8 rows x 16 bytes, so that each wgmma's [64, 16] slice is whole
+# tiles: untiled, the register load of a 16-column slice finds no conflict-free transfer plan at 64 columns
+# per stage, and a swizzled tiling (64 or 32 bytes wide) cannot be sliced by 16 (offline, jax 0.10.2).
+W_TRANSFORMS = (plgpu.TilingTransform((8, 16)),)
+
+
+def scale_bits(s):
+    """E8M0 bytes (int16) -> the bf16 bit pattern of 2^(s - 127): s in the exponent field; bit 6 set for 0
+    (bf16's subnormal 2^-127) and for 255 (a quiet NaN, as `kimik3_jax.mxfp4.dequantize` makes of it). One
+    per output row and scale block, so its cost does not count."""
+    return (s << 7) | (((s == 0) | (s == 255)).astype(s.dtype) << 6)
+
+
+def e2m1_bits(nibbles):
+    """e2m1 nibbles (int16, 0..15) -> the bf16 bit pattern of their value times 2^-126: the sign to bit 15,
+    the two exponent bits and the mantissa bit to bits 6-8. Nibbles 1 and 9 (+-0.5) give bf16 subnormals."""
+    return ((nibbles & 0x8) << 12) | ((nibbles & 0x7) << 6)
+
+
+def decode(nibbles, factor):
+    """e2m1 nibbles (int16) times a bf16 factor broadcast to their shape: two exact multiplies, by 2^126 and
+    by the factor. The first one's operand is subnormal for +-0.5, so this needs a multiply that keeps bf16
+    subnormals, as the GPU's bf16 multiplies do (the Triton kernels' quick decoder relies on the same, and
+    was bit-exact on the H200); XLA's CPU backend flushes them (tests/test_moe_wgmma.py checks the bits)."""
+    value = lax.bitcast_convert_type(e2m1_bits(nibbles), jnp.bfloat16) * jnp.asarray(2.0 ** 126, jnp.bfloat16)
+    return value * factor
+
+
+def _kernel(w_gmem, s_gmem, x_gmem, out_gmem, *, tile_t: int, plane_cols: int, stages: int):
+    n_tile = 2 * ROWS_PER_WG
+    half_k = w_gmem.shape[1]
+    n_idx, t_idx = lax.axis_index("n"), lax.axis_index("t")
+    rows_cta = pl.ds(n_idx * n_tile, n_tile)
+    toks = pl.ds(t_idx * tile_t, tile_t)
+    subs = plane_cols // PLANE_STEP
+
+    def body(_, w_smem, s_smem, xlo_smem, xhi_smem, acc_ref):
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
+        for i in range(subs):
+            cols = pl.ds(i * PLANE_STEP, PLANE_STEP)
+            packed = w_smem[rows, cols].astype(jnp.int16)  # [64, 16]: 8-bit values take bit ops only
+            s = s_smem[i, rows].astype(jnp.int16)  # [64]: this block's scale per row
+            factor = lax.bitcast_convert_type(scale_bits(s), jnp.bfloat16)  # 2^(s - 127)
+            factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
+            plgpu.wgmma(acc_ref, decode(packed & 0xF, factor), xlo_smem.at[cols])
+            plgpu.wgmma(acc_ref, decode((packed >> 4) & 0xF, factor), xhi_smem.at[cols])
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+    def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32))
+        def _(acc_ref):
+            eval_pipeline(acc_ref)
+            wg = lax.axis_index("wg")
+            out_gmem.at[rows_cta].at[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG), toks][...] = acc_ref[...]
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=stages, compute_context=compute_context,
+        in_specs=[plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS),
+                  plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0)),
+                  plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS),
+                  plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS)])
+    pipeline(w_gmem.at[rows_cta], s_gmem.at[:, rows_cta], x_gmem.at[0, :, toks], x_gmem.at[1, :, toks])
+
+
+def x_planes(x):
+    """x [T, K] -> [2, K/2, T]: the even and the odd columns, transposed (wgmma's B operand, [K, N])."""
+    t, k = x.shape
+    return jnp.transpose(x.reshape(t, k // 2, 2), (2, 1, 0))
+
+
+def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, plane_cols: int = 64, stages: int = 4):
+    """W @ x^T in fp32 [N, T] for packed [N, K/2] uint8, scales_t [K/32, N] uint8 and planes = x_planes(x)
+    ([2, K/2, T] bf16). N a multiple of 128, T of tile_t (<= 256), K/2 of plane_cols (a multiple of 16)."""
+    n, half_k = packed.shape
+    t = planes.shape[-1]
+    if n % (2 * ROWS_PER_WG) or t % tile_t or half_k % plane_cols or plane_cols % PLANE_STEP or tile_t > 256:
+        raise ValueError(f"mxfp4_matmul: N = {n} (multiple of 128), T = {t} (of tile_t = {tile_t} <= 256), K/2 = "
+                         f"{half_k} (of plane_cols = {plane_cols}, a multiple of {PLANE_STEP})")
+    if scales_t.shape != (2 * half_k // SCALE_BLOCK, n) or planes.shape != (2, half_k, t):
+        raise ValueError(f"mxfp4_matmul: scales_t {scales_t.shape} / planes {planes.shape} do not match packed "
+                         f"{packed.shape}")
+    kernel = functools.partial(_kernel, tile_t=tile_t, plane_cols=plane_cols, stages=stages)
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((n, t), jnp.float32), grid=(n // (2 * ROWS_PER_WG), t // tile_t),
+        grid_names=("n", "t"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(packed, scales_t, planes)

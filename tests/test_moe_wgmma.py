@@ -1,0 +1,75 @@
+"""The experimental Mosaic GPU MXFP4 GEMM (`pallas_kernels/moe/wgmma_mxfp4.py`) on the CPU: its warp-specialised
+pipeline has no interpreter rule, so what runs here is its arithmetic as plain JAX (the e2m1 decode and the
+E8M0 factor, exactly, for every nibble and scale byte; the even/odd K planes against the dequantised weights),
+and its lowering for CUDA (layouts, transfer plans and shared memory are settled at lowering). The kernel
+itself runs only on the GPU: tests/gpu/probe_mgpu_mxfp4.py."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kimik3_jax.mxfp4 import E2M1_VALUES, dequantize_np
+from pallas_kernels.moe import wgmma_mxfp4 as wg
+
+
+def _bf16(bits):
+    """int16 bit patterns -> their bf16 values as float64 (NumPy: no flushing of subnormals)."""
+    return np.asarray(bits, np.int16).view(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def test_decode_bits_are_exact_for_every_nibble_and_scale_byte():
+    """The integer half of the decode, run by XLA as the kernel's ops: every nibble's bits are its e2m1
+    value times 2^-126 (+-0.5 a bf16 subnormal), every scale byte 0..254 gives 2^(s - 127) and 255 NaN, as
+    `kimik3_jax.mxfp4.dequantize`; the kernel's two
+    multiplies by powers of two are then exact (in float64 here: XLA's CPU backend flushes bf16
+    subnormals, the GPU does not)."""
+    nib = jnp.arange(16, dtype=jnp.int16)
+    got = _bf16(jax.jit(wg.e2m1_bits)(nib)) * 2.0 ** 126
+    np.testing.assert_array_equal(got, E2M1_VALUES.astype(np.float64))
+    assert np.signbit(got[8]) and not np.signbit(got[0])  # -0 and +0 as the release's nibbles 8 and 0
+    s = jnp.arange(0, 255, dtype=jnp.int16)
+    np.testing.assert_array_equal(_bf16(jax.jit(wg.scale_bits)(s)), 2.0 ** (np.arange(0, 255) - 127.0))
+    assert np.isnan(_bf16(wg.scale_bits(jnp.int16(255))))
+
+
+def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
+    """The kernel's algebra: low nibbles against x's even columns, high against the odd ones, scale block b
+    covering plane columns 16b..16b+15; against the dequantised weights times x."""
+    rng = np.random.default_rng(5)
+    n, k, t = 48, 256, 24
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scales = rng.integers(1, 200, (n, k // 32), dtype=np.uint8)
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+    planes = wg.x_planes(x)
+    assert planes.shape == (2, k // 2, t)
+    np.testing.assert_array_equal(np.asarray(planes[1]), np.asarray(x)[:, 1::2].T)
+    p16 = jnp.asarray(packed, jnp.int16)
+    factor = np.repeat(_bf16(wg.scale_bits(jnp.asarray(scales, jnp.int16))), wg.PLANE_STEP, axis=1)  # [n, k/2]
+    lo, hi = (_bf16(wg.e2m1_bits(p)) * 2.0 ** 126 * factor for p in (p16 & 0xF, (p16 >> 4) & 0xF))
+    got = lo @ np.asarray(planes[0], np.float64) + hi @ np.asarray(planes[1], np.float64)
+    want = dequantize_np(packed, scales, np.float64) @ np.asarray(x, np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tuning", [{}, {"tile_t": 256, "stages": 2}, {"plane_cols": 32, "stages": 6}])
+def test_kernel_lowers_for_cuda(tuning):
+    n, k, t = 256, 512, 256
+    args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),
+            jax.ShapeDtypeStruct((2, k // 2, t), jnp.bfloat16))
+    hlo = jax.jit(functools.partial(wg.mxfp4_matmul, **tuning)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in hlo
+
+
+def test_bad_shapes_are_refused_by_name():
+    packed = jnp.zeros((256, 256), jnp.uint8)
+    with pytest.raises(ValueError, match="N = 200"):
+        wg.mxfp4_matmul(jnp.zeros((200, 256), jnp.uint8), jnp.zeros((16, 200), jnp.uint8),
+                        jnp.zeros((2, 256, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="scales_t"):
+        wg.mxfp4_matmul(packed, jnp.zeros((256, 16), jnp.uint8), jnp.zeros((2, 256, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="tile_t"):
+        wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 256, 100), jnp.bfloat16))
