@@ -8,7 +8,8 @@
 # the packed/checkpoint GPU tests, then prefill with and without checkpoints), "m" (the Mosaic GPU MXFP4
 # GEMM: does it lower and run on jax 0.11.2, is it right, how many TFLOP/s), "8" on an H200 (MoE by device
 # time; done on an H100 2026-12-05). Done 2026-12-05 on an H100: "2" (prefill target met with both peers),
-# "0" (decode tests pass; the one-launch value tiles slower), "6" (MoE swap candidates: no gain). "1" is the KDA tests (all
+# "0" (decode tests pass; the one-launch value tiles slower), "6" (MoE swap candidates: no gain). "1" is the
+# KDA tests (all
 # 37 passed in 313 s on a cold H200, 2026-12-05).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (step 0: LIMIT_0a for its tests,
 # LIMIT_0b for its benchmark); step 2's shapes with SHAPES_2.
@@ -36,7 +37,8 @@ step() {  # name, seconds, command...
 case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check included), then the default and
   # the split launches (KDA_DECODE_CANDIDATES, JSON) at N = 1, 32, 256 with fla
   [ -n "${KDA_DECODE_CANDIDATES:-}" ] || \
-    KDA_DECODE_CANDIDATES='[{}, {"split": true}, {"split": true, "block_v": 32}, {"split": true, "block_v": 16}, {"split": true, "block_v": 32, "num_warps": 2}, {"split": true, "block_v": 64}]'
+    KDA_DECODE_CANDIDATES='[{}, {"split": true}, {"split": true, "block_v": 32}, {"split": true, "block_v": 16},
+      {"split": true, "block_v": 32, "num_warps": 2}, {"split": true, "block_v": 64}]'
   XLA_FLAGS=--xla_gpu_autotune_level=0 step 0-kda-decode-tests ${LIMIT_0a:-200} \
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k decode
   step 0-kda-decode-bench ${LIMIT_0b:-240} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \

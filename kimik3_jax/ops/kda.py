@@ -276,4 +276,5 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     g = jnp.where(active[:, None, None], g, 0.0)
     beta = jnp.where(active[:, None], beta, 0.0)
     o, s = kda_step(s_pool[slots], q, k, v, g, beta)
-    return gated_output_norm(o, norm_w, gate, eps, qkv.dtype), conv_pool.at[slots].set(jnp.stack(new_tails, axis=1)), s_pool.at[slots].set(s)
+    o = gated_output_norm(o, norm_w, gate, eps, qkv.dtype)
+    return o, conv_pool.at[slots].set(jnp.stack(new_tails, axis=1)), s_pool.at[slots].set(s)

@@ -123,7 +123,8 @@ def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos,
     the `checkpoint_table`), and the final state into sf. After the walk the program also writes its tile
     of the checkpoint rows past those the sequence reaches, up to the table's fill end: the final state
     (a batch row shorter than T), or zeros with cp_fill_zero (the rows after the last packed sequence), so
-    that every checkpoint row is written by the kernel and no pass over them follows. transposed: `step` carries the tile as S^T [BV, K] (the refs hold [K, BV]).
+    that every checkpoint row is written by the kernel and no pass over them follows. transposed: `step`
+    carries the tile as S^T [BV, K] (the refs hold [K, BV]).
     prefetch: `prefetch(j)` loads what chunk j needs from memory (any pytree of tiles); the loop then issues
     chunk j + 1's loads before chunk j's products, carries them, and calls `step(j, s, loaded)`, so that the
     serial chain does not wait on those loads (j + 1 may be one past the sequence's last chunk: `prefetch`

@@ -215,7 +215,8 @@ def kda_prefill(q, k, v, g, beta, s0, *, a_log=None, lower_bound=None, qk_norm=F
         outs = two_phase.run(
             cu, ends, cpo, a_log_arr, flat(q), flat(k), flat(v), flat(g), flat(beta), s0.astype(jnp.float32),
             out_shape=out_shape, heads=nh, chunk=chunk, block_v=block_v, lower_bound=lb, gate=a_log is not None,
-            qk_norm=qk_norm, cp_every=cp_every, cp_fill_zero=cu_seqlens is not None, n_chunks=n_chunks, interpret=resolve_interpret(interpret), tuning=t)
+            qk_norm=qk_norm, cp_every=cp_every, cp_fill_zero=cu_seqlens is not None, n_chunks=n_chunks,
+            interpret=resolve_interpret(interpret), tuning=t)
     else:
         kernel = functools.partial(
             _prefill_kernel, heads=nh, chunk=chunk, block_v=block_v, lower_bound=lb, gate=a_log is not None,

@@ -280,8 +280,8 @@ def _phase1_kernel(t0_ref, eos_ref, end_ref, alog_ref, q_ref, k_ref, v_ref, g_re
         jax.lax.fori_loop(0, per_program, lambda i, carry: (one(cb * per_program + i), carry)[1], 0)
 
 
-def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, cp_fill_zero, transposed,
-                   wq_interleaved, prefetch):
+def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_every, cp_fill_zero,
+                   transposed, wq_interleaved, prefetch):
     f32 = jnp.float32
     names = workspace_names(wq_interleaved)
     work = dict(zip(names, refs))

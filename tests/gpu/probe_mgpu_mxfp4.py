@@ -29,8 +29,8 @@ N, K = int(os.environ.get("MGPU_N", 6144)), int(os.environ.get("MGPU_K", 3584))
 TOKENS = [int(t) for t in os.environ.get("MGPU_T", "256,512,1024,4096").split(",")]
 # shared memory per stage: (128 x plane_cols) weight bytes + plane_cols / 16 x 128 scale bytes + two activation
 # planes of plane_cols x tile_t bf16; the default: 41 KB x 4 stages
-TUNINGS = json.loads(os.environ.get("MGPU_TUNINGS", '[{}, {"tile_t": 256, "stages": 2}, {"plane_cols": 128, "stages": 2}, '
-                                                    '{"plane_cols": 32, "stages": 6}]'))
+TUNINGS = json.loads(os.environ.get(
+    "MGPU_TUNINGS", '[{}, {"tile_t": 256, "stages": 2}, {"plane_cols": 128, "stages": 2}, {"plane_cols": 32, "stages": 6}]'))
 
 
 def case(rng, t, scale_lo, scale_hi):
