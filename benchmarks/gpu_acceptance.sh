@@ -41,7 +41,7 @@ case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check in
       {"split": true, "block_v": 32, "num_warps": 2}, {"split": true, "block_v": 64}]'
   XLA_FLAGS=--xla_gpu_autotune_level=0 step 0-kda-decode-tests ${LIMIT_0a:-200} \
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k decode
-  step 0-kda-decode-bench ${LIMIT_0b:-240} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
+  step 0-kda-decode-bench ${LIMIT_0b:-360} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
     --decode-tunings "$KDA_DECODE_CANDIDATES" ;;
 esac
 case $STEPS in *1*)  # the references' fp32 GEMMs need no autotuning for a correctness check
