@@ -17,6 +17,9 @@ program then increments a per-(sequence, head) counter (an atomic add after a CT
 pattern, which makes the output slice visible before the count), then stores its state slice and its value
 channels' conv tails (no other program reads them), and the program that brings the count to V // B, the
 head's last, norms the row and writes the q/k tails.
+
+`tuning=dict(split=True)` takes neither: three launches, a prologue kernel per head, a state-only kernel per
+value tile, and the norm by XLA (`decode_split.py`).
 """
 
 from __future__ import annotations
