@@ -348,9 +348,9 @@ def test_decode_value_split_equals_whole_v_and_checks_block_v():
     for bad in (24, 128, 8):
         with pytest.raises(ValueError, match="block_v"):
             kda_decode(*x.values(), interpret=True, tuning=dict(block_v=bad), **kw)
-    with pytest.raises(ValueError, match="always write the tails in place"):
+    with pytest.raises(ValueError, match=r"value tiles \(block_v = 16\) always writes the tails in place"):
         kda_decode(*x.values(), interpret=True, tuning=dict(block_v=16, tails_in_place=False), **kw)
-    with pytest.raises(ValueError, match="always writes the tails in place"):
+    with pytest.raises(ValueError, match="split=True always writes the tails in place"):
         kda_decode(*x.values(), interpret=True, tuning=dict(split=True, tails_in_place=False), **kw)
 
 

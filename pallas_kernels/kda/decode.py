@@ -36,7 +36,9 @@ from pallas_kernels.kda.common import compiler_params, resolve_interpret
 from pallas_kernels.kda.decode_parts import conv as _conv
 from pallas_kernels.kda.decode_parts import gated_norm as _gated_norm
 from pallas_kernels.kda.decode_parts import grid as _grid
+from pallas_kernels.kda.decode_parts import head_inputs as _head_inputs
 from pallas_kernels.kda.decode_parts import head_prologue as _head_prologue
+from pallas_kernels.kda.decode_parts import state_step as _state_step
 from pallas_kernels.kda.decode_split import decode_split
 
 # block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29).
@@ -57,11 +59,9 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
                    nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place, ids):
     n, h = ids()
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
-    width = w_ref.shape[-1]
     slot = slots_ref[n]
     active = lens_ref[n] > 0
     cs = pl.ds(h * dk, dk)
-    keep = jnp.broadcast_to(active, (dk,))
     row = slot if in_place else n  # the tails' row: the slot of the aliased pool, or this row of a fresh output
     # The state's load is issued first, so that its latency overlaps the conv prologue's loads and
     # arithmetic, and every store comes after the last load (a store issued earlier would keep the state
@@ -70,20 +70,13 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     # value columns in 2 or 4 blocks one after another, the next block's load issued before this one's store,
     # was slower: 131.0 / 164.6 against 130.7 us at N = 32 (2026-12-05).
     s0 = s_ref[slot, h, :, :]
-    ys, tails = [], []
-    for j in range(3):
-        y, hist = _conv(conv_ref, qkv_ref, w_ref, slot, n, j, cs, dk)
-        ys.append(y)
-        # the tail moves by one token (an inactive row keeps its tail); stored at the end, after every load
-        tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)) for r in range(width - 1)]
-    q, k, v = ys
-    q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
-    s = s0.astype(jnp.float32) * jnp.exp(g)[:, None]  # decay first
-    pred = jnp.sum(s * k[:, None], axis=0)
-    s = s + k[:, None] * (beta * (v - pred))[None, :]
-    o_ref[n, h, :] = _gated_norm(jnp.sum(s * q[:, None], axis=0), nw_ref, gate_ref[n, h, :], eps).astype(o_ref.dtype)
+    q, k, v, g, beta, tails = _head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_out.dtype,
+                                           slot=slot, n=n, h=h, dk=dk, active=active, lower_bound=lower_bound,
+                                           gate=gate, qk_norm=qk_norm)
+    s, o = _state_step(s0, q, k, v, g, beta)
+    o_ref[n, h, :] = _gated_norm(o, nw_ref, gate_ref[n, h, :], eps).astype(o_ref.dtype)
     plt.store(s_out.at[slot, h, :, :], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, dv)))
-    for j, r, t in tails:
+    for j, r, t in tails:  # after every load (the pools may alias)
         tails_out[row, j, r, cs] = t
 
 
@@ -95,7 +88,6 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     program) applies the gated RMSNorm to the head's whole output row and writes the head's new q/k conv
     tails; each tile writes its own v channels' tails (only it reads them)."""
     del cnt_in  # aliased to cnt_ref
-    f32 = jnp.float32
     t, n, h = ids()
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
     width = w_ref.shape[-1]
@@ -116,10 +108,7 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     s0 = s_ref[slot, h, :, cols]  # first, and every store last, as in the whole-V kernel
     (q, hq), (k, hk), (v, hv) = conv(0, cs, dk), conv(1, cs, dk), conv(2, vs, bv)
     q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
-    s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
-    pred = jnp.sum(s * k[:, None], axis=0)
-    s = s + k[:, None] * (beta * (v - pred))[None, :]
-    o_raw[n, h, cols] = jnp.sum(s * q[:, None], axis=0)  # read after the update, un-normed fp32
+    s, o_raw[n, h, cols] = _state_step(s0, q, k, v, g, beta)  # the read is un-normed fp32
     # Publish: every thread's stores (and loads) come before the CTA barrier, which comes before the counter's
     # atomic add (acquire-release, GPU scope: the grid-sync pattern). The interpreter runs programs one by one.
     if not interpret:
@@ -182,15 +171,13 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     dv = s_pool.shape[-1]
     bv = block_v_of(t, dv)
     in_place = t["tails_in_place"] is not False
-    if not in_place and bv < dv:
-        raise ValueError(f"kda_decode kernel: the value tiles (block_v = {bv}) always write the tails in place; "
-                         "tails_in_place=False needs the whole-V kernel")
+    if not in_place and (bv < dv or t["split"]):
+        which = "split=True" if t["split"] else f"the value tiles (block_v = {bv})"
+        raise ValueError(f"kda_decode kernel: {which} always writes the tails in place; tails_in_place=False "
+                         "needs the one-launch whole-V kernel")
     slots = slots.astype(jnp.int32)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     if t["split"]:
-        if not in_place:
-            raise ValueError("kda_decode kernel: split=True always writes the tails in place; tails_in_place=False "
-                             "needs the whole-V kernel")
         return decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
                             eps=float(eps), tuning=t, interpret=resolve_interpret(interpret), lower_bound=lb,
                             gate_on=a_log is not None, qk_norm=qk_norm)

@@ -1,6 +1,6 @@
 """The pieces the Pallas decode kernels share (`decode.py` and `decode_split.py`): the launch grid, a
-channel block's causal conv, the head's prologue (q/k norms, gate, beta) and the output's gated RMSNorm,
-each on values already in registers."""
+channel block's causal conv, the head's prologue (q/k norms, gate, beta), all of a head's inputs with its new
+conv tails, the state step, and the output's gated RMSNorm."""
 
 from __future__ import annotations
 
@@ -53,3 +53,30 @@ def conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size):
     for r in range(width):
         y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
     return jax.nn.silu(y).astype(qkv_ref.dtype).astype(f32), hist
+
+
+def head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_dtype, *, slot, n, h, dk, active,
+                lower_bound, gate, qk_norm):
+    """One (sequence, head)'s q, k, v (conv + SiLU over the slot's tails), gate and beta (`head_prologue`),
+    and the new conv tails of its q, k, v channels as (projection, row, tile) for the caller to store after
+    its last load: each tail moves by one token, and an inactive row keeps its tail."""
+    width = w_ref.shape[-1]
+    chans = pl.ds(h * dk, dk)
+    keep = jnp.broadcast_to(active, (dk,))
+    ys, tails = [], []
+    for j in range(3):
+        y, hist = conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, dk)
+        ys.append(y)
+        tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_dtype)) for r in range(width - 1)]
+    q, k, v = ys
+    q, k, g, beta = head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
+    return q, k, v, g, beta, tails
+
+
+def state_step(s0, q, k, v, g, beta):
+    """The recurrence on a state tile [K, B]: decay first, then the delta-rule update; returns the new tile
+    (fp32) and its read by q, the un-normed output [B]."""
+    s = s0.astype(jnp.float32) * jnp.exp(g)[:, None]
+    pred = jnp.sum(s * k[:, None], axis=0)
+    s = s + k[:, None] * (beta * (v - pred))[None, :]
+    return s, jnp.sum(s * q[:, None], axis=0)

@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import gated_output_norm
 from pallas_kernels.kda.common import compiler_params
-from pallas_kernels.kda.decode_parts import conv, grid, head_prologue
+from pallas_kernels.kda.decode_parts import grid, head_inputs, state_step
 
 PRE_ROWS = 5  # q, k, v, g, beta
 
@@ -34,25 +34,17 @@ def _prologue_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, g_
                      lower_bound, gate, qk_norm, ids):
     n, h = ids()
     dk = pre_ref.shape[-1]
-    width = w_ref.shape[-1]
     slot = slots_ref[n]
-    active = lens_ref[n] > 0
-    cs = pl.ds(h * dk, dk)
-    keep = jnp.broadcast_to(active, (dk,))
-    ys, tails = [], []
-    for j in range(3):
-        y, hist = conv(conv_ref, qkv_ref, w_ref, slot, n, j, cs, dk)
-        ys.append(y)
-        tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)) for r in range(width - 1)]
-    q, k, g, beta = head_prologue(ys[0], ys[1], g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
-    for i, x in enumerate((q, k, ys[2], g, jnp.broadcast_to(beta, (dk,)))):
+    q, k, v, g, beta, tails = head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_out.dtype,
+                                          slot=slot, n=n, h=h, dk=dk, active=lens_ref[n] > 0,
+                                          lower_bound=lower_bound, gate=gate, qk_norm=qk_norm)
+    for i, x in enumerate((q, k, v, g, jnp.broadcast_to(beta, (dk,)))):
         pre_ref[n, h, i, :] = x
     for j, r, t in tails:  # after every load of the tails (the pool is aliased)
-        tails_out[slot, j, r, cs] = t
+        tails_out[slot, j, r, pl.ds(h * dk, dk)] = t
 
 
 def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids):
-    f32 = jnp.float32
     t, n, h = ids()
     dk = s_ref.shape[-2]
     slot = slots_ref[n]
@@ -61,10 +53,7 @@ def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids)
     q, k, g = pre_ref[n, h, 0, :], pre_ref[n, h, 1, :], pre_ref[n, h, 3, :]
     v = pre_ref[n, h, 2, cols]
     beta = jnp.max(pre_ref[n, h, 4, :])  # the row holds beta K times
-    s = s0.astype(f32) * jnp.exp(g)[:, None]  # decay first
-    pred = jnp.sum(s * k[:, None], axis=0)
-    s = s + k[:, None] * (beta * (v - pred))[None, :]
-    o_raw[n, h, cols] = jnp.sum(s * q[:, None], axis=0)
+    s, o_raw[n, h, cols] = state_step(s0, q, k, v, g, beta)
     # an inactive row (g = 0, beta = 0) leaves its state as it is: not written at all
     plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(lens_ref[n] > 0, (dk, bv)))
 
