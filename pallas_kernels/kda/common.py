@@ -69,7 +69,7 @@ def checkpoint_table(first, reached, fill_end):
     return jnp.concatenate([first, reached, fill_end]).astype(jnp.int32)
 
 
-def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int, out=lambda x: x):
+def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int, out):
     """After chunk `done` (1-based) of sequence n, store the state tile out(s) at that sequence's checkpoint
     row when `done` is a multiple of `every` chunks and the sequence reaches that checkpoint (cpo_ref: the
     `checkpoint_table`; lax.rem / lax.div: jnp's `%` and `//` fail the Triton lowering on jax 0.10.2). A
