@@ -69,18 +69,15 @@ def checkpoint_table(first, reached, fill_end):
     return jnp.concatenate([first, reached, fill_end]).astype(jnp.int32)
 
 
-def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int, out):
-    """After chunk `done` (1-based) of sequence n, store the state tile out(s) at that sequence's checkpoint
+def store_checkpoint(cp_ref, cpo_ref, s, *, n, h, vt, done, every: int):
+    """After chunk `done` (1-based) of sequence n, store the state tile s at that sequence's checkpoint
     row when `done` is a multiple of `every` chunks and the sequence reaches that checkpoint (cpo_ref: the
-    `checkpoint_table`; lax.rem / lax.div: jnp's `%` and `//` fail the Triton lowering on jax 0.10.2). A
-    branch, not a masked store: `out` (a transpose through shared memory for the transposed state) then
-    runs on the checkpoint chunks alone."""
+    `checkpoint_table`; lax.rem / lax.div: jnp's `%` and `//` fail the Triton lowering on jax 0.10.2)."""
     nseq = cpo_ref.shape[0] // 3
     idx = jax.lax.div(done, jnp.int32(every))
-
-    @pl.when((jax.lax.rem(done, jnp.int32(every)) == 0) & (idx <= cpo_ref[nseq + n]))
-    def _():
-        cp_ref[cpo_ref[n] + idx - 1, h, :, vt] = out(s).astype(cp_ref.dtype)
+    full = (jax.lax.rem(done, jnp.int32(every)) == 0) & (idx <= cpo_ref[nseq + n])
+    row = jnp.minimum(cpo_ref[n] + idx - 1, cp_ref.shape[0] - 1)
+    plt.store(cp_ref.at[row, h, :, vt], s.astype(cp_ref.dtype), mask=jnp.broadcast_to(full, s.shape))
 
 
 def chunk_state_step(s, u0, w, q_dec, m, k_tail, decay_end, o_ref, *, t0, h, vt, rows_in):
@@ -133,7 +130,7 @@ def serial_chunks(step, s0_ref, sf_ref, cp_refs, cpo_ref, *, n, h, vt, bos, eos,
 
     def after(j, s):
         if cp_every:
-            store_checkpoint(cp_refs[0], cpo_ref, s, n=n, h=h, vt=vt, done=j + 1, every=cp_every, out=out)
+            store_checkpoint(cp_refs[0], cpo_ref, out(s), n=n, h=h, vt=vt, done=j + 1, every=cp_every)
         return s
 
     s0 = out(s0_ref[n, h, :, vt].astype(jnp.float32))
