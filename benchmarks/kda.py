@@ -354,7 +354,7 @@ def main():
         t = dict(pdecode.TUNING, **r["ours_tuning"])
         print(f"| {r['n']} | {r['ours_us']:.1f} / {r['ours_loop_us']:.1f} / {r['ours_rolled_us']:.1f} | "
               f"{r['ours_call_us']:.1f} | "
-              f"{r['ours_tbps']:.2f} | {t['block_v'] or DV}, {t['num_warps']}{', split' * bool(t['split'])} | "
+              f"{r['ours_tbps']:.2f} | {t['block_v'] or DV}, {t['num_warps']}{', split' * pdecode.splits(t, r['n'])} | "
               f"{fla} | "
               f"{r['ours_err_o']:.1e} / {r['ours_err_s']:.1e} |")
 

@@ -379,6 +379,28 @@ def test_decode_split_equals_fused_over_steps(block_v):
     np.testing.assert_array_equal(np.asarray(split["s_pool"])[untouched], np.asarray(x["s_pool"])[untouched])
 
 
+
+def test_decode_default_splits_from_split_from(monkeypatch):
+    """The default (split=None) takes the split launches from SPLIT_FROM sequences on, with the tails in
+    place, and the one launch below that or when the tails are scattered; explicit split wins either way."""
+    from pallas_kernels.kda import decode as decode_mod
+    calls = []
+    real = decode_mod.decode_split
+    monkeypatch.setattr(decode_mod, "decode_split", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(decode_mod, "SPLIT_FROM", 3)
+    rng = np.random.default_rng(613)
+    kw = dict(eps=1e-5, lower_bound=LB, a_log=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32))
+    for n, tuning, want in ((2, None, []), (3, None, [3]), (3, dict(tails_in_place=False), []),
+                            (2, dict(split=True), [2]), (3, dict(split=False), [])):
+        calls.clear()
+        x = decode_inputs(rng, n, 5, d=32)
+        o, _, s = kda_decode(*x.values(), interpret=True, tuning=tuning, **kw)
+        o_ref, _, s_ref = decode_op(*x.values(), **kw)
+        assert calls == want, (n, tuning, calls)
+        assert_close(o, o_ref, BF16_RTOL, axis=-1, what=f"N = {n}, {tuning}: output")
+        assert_close(s, s_ref, STATE_RTOL, axis=(-2, -1), what=f"N = {n}, {tuning}: state")
+
+
 # ------------------------------------------------------------------------------------------- the switch
 
 def test_switch_falls_back_and_refuses():

@@ -19,7 +19,8 @@ channels' conv tails (no other program reads them), and the program that brings 
 head's last, norms the row and writes the q/k tails.
 
 `tuning=dict(split=True)` takes neither: three launches, a prologue kernel per head, a state-only kernel per
-value tile, and the norm by XLA (`decode_split.py`).
+value tile, and the norm by XLA (`decode_split.py`). The default (split=None) splits from SPLIT_FROM sequences
+on and keeps the one launch below.
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ from pallas_kernels.kda.decode_split import decode_split
 # (2026-12-02, H = 96, whole V): 132.6 against 133.8 us per step at N = 32, 997.3 against 1024.1 at N = 256;
 # value tiles of 32 gained 5-7%.
 # split: three launches (`decode_split.py`): a prologue kernel per (sequence, head), a state-only kernel per
-# value tile (block_v; None: whole V), the output norm by XLA. Not yet timed on a GPU (2026-12-05).
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=False)
+# value tile (block_v; None: whole V), the output norm by XLA. None: split from SPLIT_FROM sequences on (with the
+# tails in place). On the H100 (2026-12-05, H = 96, whole V per state program), against the one-launch whole-V
+# kernel: 158.9 against 165.2 us per step at N = 32, 1223.7 against 1268.9 at N = 256; at N = 1 the one launch
+# is the faster (7.3 against 8.4 us, fewer launches), so it stays below SPLIT_FROM.
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None)
+SPLIT_FROM = 32
 
 
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
@@ -129,6 +134,14 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
         store_tails(1, cs, hk, dk)
 
 
+def splits(tuning: dict, nb: int) -> bool:
+    """Whether a tuning takes the split launches for nb sequences (split None: from SPLIT_FROM on, tails in place)."""
+    t = dict(TUNING, **tuning)
+    if t["split"] is None:
+        return t["tails_in_place"] is not False and nb >= SPLIT_FROM
+    return bool(t["split"])
+
+
 def block_v_of(tuning: dict, dv: int) -> int:
     """The value tile a tuning asks for: V when None; else a power of two >= 16 dividing V."""
     bv = tuning.get("block_v")
@@ -171,6 +184,7 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     dv = s_pool.shape[-1]
     bv = block_v_of(t, dv)
     in_place = t["tails_in_place"] is not False
+    t["split"] = splits(t, nb)
     if not in_place and (bv < dv or t["split"]):
         which = "split=True" if t["split"] else f"the value tiles (block_v = {bv})"
         raise ValueError(f"kda_decode kernel: {which} always writes the tails in place; tails_in_place=False "
