@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 from kimik3_jax.mxfp4 import E2M1_VALUES, dequantize_np
+from kimik3_jax.ops.moe import routed_experts
+from kimik3_jax.params import ExpertParams
+from pallas_kernels.moe import routed_mgpu as rm
 from pallas_kernels.moe import wgmma_mxfp4 as wg
 
 
@@ -73,3 +76,73 @@ def test_bad_shapes_are_refused_by_name():
         wg.mxfp4_matmul(packed, jnp.zeros((256, 16), jnp.uint8), jnp.zeros((2, 256, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="tile_t"):
         wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 256, 100), jnp.bfloat16))
+
+
+# ------------------------------------------------------------------- the routed experts on Mosaic GPU
+
+def _routed_case(rng, n, k, kind, num=16, width=128, latent=64):
+    from test_moe_kernels import _routing
+    experts = {}
+    for name, (rows, cols) in (("w1", (width, latent)), ("w3", (width, latent)), ("w2", (latent, width))):
+        experts[name + "_packed"] = jnp.asarray(rng.integers(0, 256, (num, rows, cols // 2)), jnp.uint8)
+        experts[name + "_scale"] = jnp.asarray(rng.integers(118, 126, (num, rows, cols // 32)), jnp.uint8)
+    idx, w = _routing(rng, n, k, kind)
+    return jnp.asarray(rng.standard_normal((n, latent)), jnp.bfloat16), idx, w, ExpertParams(**experts)
+
+
+@pytest.mark.parametrize("n,k,kind", [(40, 4, "skewed"), (33, 1, "one_expert"), (150, 4, "random")])
+def test_routed_glue_equals_pure_op(n, k, kind):
+    """The Mosaic GPU path's glue (dispatch, planes, h^T to down's planes, y^T to the weighted combine) with
+    the kernel's pure-JAX reference in its place, against the pure op; fails if any plane or transpose is
+    off (checked by swapping h's planes)."""
+    from test_moe_kernels import BETA, LINEAR_BETA, RTOL
+    rng = np.random.default_rng([n, k, 7])
+    xl, idx, w, experts = _routed_case(rng, n, k, kind)
+    got = rm.routed_experts_mgpu(xl, idx, w, experts, BETA, LINEAR_BETA, tuning=dict(tile_t=16),
+                                 matmul_t=rm.reference_matmul_t)
+    want = routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, "gathered")
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = np.abs(want).max(axis=-1, keepdims=True)
+    assert np.isfinite(want).all() and scale.min() > 0
+    err = float(np.max(np.abs(got - want) / scale))
+    assert err <= RTOL, f"relative error {err:.2e}"
+
+
+def test_reference_matmul_t_equals_dequantised_product_and_skips_unused_tiles():
+    rng = np.random.default_rng(11)
+    e, n, k, tile = 3, 32, 64, 8
+    packed = rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8)
+    scales = rng.integers(110, 130, (e, n, k // 32), dtype=np.uint8)
+    tiles = np.array([2, 0, 3, 1])  # the last-but-one unused (E = 3)
+    x = rng.standard_normal((tiles.size * tile, k)).astype(np.float32)
+    got = rm.reference_matmul_t(jnp.asarray(tiles), (jnp.asarray(packed),),
+                                (wg.transpose_scales(jnp.asarray(scales)),), wg.x_planes(jnp.asarray(x, jnp.bfloat16)),
+                                tile_t=tile)
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    for i, ex in enumerate(tiles):
+        cols = slice(i * tile, (i + 1) * tile)
+        want = (dequantize_np(packed[ex], scales[ex], np.float64) @ xb[cols].T if ex < e
+                else np.zeros((n, tile)))
+        np.testing.assert_allclose(np.asarray(got[:, cols], np.float64), want, rtol=1e-5,
+                                   atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_routed_mgpu_lowers_for_cuda():
+    """Both grouped kernels (gate+up with two accumulators and the SiTU epilogue, down) lower for CUDA with
+    the tile's expert read from the schedule table."""
+    from test_moe_kernels import BETA, LINEAR_BETA
+    width, latent, num, n, k = 256, 256, 4, 64, 2
+    experts = ExpertParams(**{
+        f"{m}_{part}": jax.ShapeDtypeStruct((num,) + ((width, latent) if m != "w2" else (latent, width))[:1]
+                                            + (((latent if m != "w2" else width) // (2 if part == "packed" else 32)),),
+                                            jnp.uint8)
+        for m in ("w1", "w3", "w2") for part in ("packed", "scale")})
+    args = (jax.ShapeDtypeStruct((n, latent), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int32),
+            jax.ShapeDtypeStruct((n, k), jnp.float32), experts)
+    f = jax.jit(lambda x, i, w, ex: rm.routed_experts_mgpu(x, i, w, ex, BETA, LINEAR_BETA))
+    hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("mosaic_gpu") >= 2
+    assert rm.supports_mgpu(jnp.zeros((1, latent), jnp.bfloat16), experts) is None
+    assert "multiple of 128" in rm.supports_mgpu(jnp.zeros((1, 64), jnp.bfloat16), ExpertParams(**{
+        f"{m}_{p}": jax.ShapeDtypeStruct((1, 64, 32 if p == "packed" else 2), jnp.uint8)
+        for m in ("w1", "w3", "w2") for p in ("packed", "scale")}))

@@ -71,43 +71,54 @@ def decode(nibbles, factor):
     return value * factor
 
 
-def _kernel(w_gmem, s_gmem, x_gmem, out_gmem, *, tile_t: int, plane_cols: int, stages: int):
+def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, epilogue):
+    """Program (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
+    out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices)."""
+    w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
     n_tile = 2 * ROWS_PER_WG
-    half_k = w_gmem.shape[1]
+    num_experts, _, half_k = w_gmem[0].shape
     n_idx, t_idx = lax.axis_index("n"), lax.axis_index("t")
     rows_cta = pl.ds(n_idx * n_tile, n_tile)
     toks = pl.ds(t_idx * tile_t, tile_t)
     subs = plane_cols // PLANE_STEP
+    e = tile_expert[t_idx]
 
-    def body(_, w_smem, s_smem, xlo_smem, xhi_smem, acc_ref):
+    def body(_, *smem):
+        w_smem, s_smem, (xlo_smem, xhi_smem), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
         for i in range(subs):
             cols = pl.ds(i * PLANE_STEP, PLANE_STEP)
-            packed = w_smem[rows, cols].astype(jnp.int16)  # [64, 16]: 8-bit values take bit ops only
-            s = s_smem[i, rows].astype(jnp.int16)  # [64]: this block's scale per row
-            factor = lax.bitcast_convert_type(scale_bits(s), jnp.bfloat16)  # 2^(s - 127)
-            factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
-            plgpu.wgmma(acc_ref, decode(packed & 0xF, factor), xlo_smem.at[cols])
-            plgpu.wgmma(acc_ref, decode((packed >> 4) & 0xF, factor), xhi_smem.at[cols])
+            for m in range(mats):
+                packed = w_smem[m][rows, cols].astype(jnp.int16)  # [64, 16]: 8-bit values take bit ops only
+                s = s_smem[m][i, rows].astype(jnp.int16)  # [64]: this block's scale per row
+                factor = lax.bitcast_convert_type(scale_bits(s), jnp.bfloat16)  # 2^(s - 127)
+                factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
+                plgpu.wgmma(accs[m], decode(packed & 0xF, factor), xlo_smem.at[cols])
+                plgpu.wgmma(accs[m], decode((packed >> 4) & 0xF, factor), xhi_smem.at[cols])
         plgpu.wgmma_wait(0)
-        return acc_ref
+        return accs
 
     def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32))
-        def _(acc_ref):
-            eval_pipeline(acc_ref)
+        def scope(*accs):
+            eval_pipeline(accs)
             wg = lax.axis_index("wg")
-            out_gmem.at[rows_cta].at[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG), toks][...] = acc_ref[...]
+            out = epilogue(*(a[...] for a in accs))
+            out_gmem.at[rows_cta].at[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG), toks][...] = out.astype(out_gmem.dtype)
+        pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32) for _ in range(mats)))
 
+    w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS)
+    s_spec = plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0))
+    x_spec = plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=stages, compute_context=compute_context,
-        in_specs=[plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS),
-                  plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0)),
-                  plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS),
-                  plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS)])
-    pipeline(w_gmem.at[rows_cta], s_gmem.at[:, rows_cta], x_gmem.at[0, :, toks], x_gmem.at[1, :, toks])
+        in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * 2)
+
+    @pl.when(e < num_experts)
+    def _():
+        pipeline(*(w.at[e].at[rows_cta] for w in w_gmem), *(sc.at[e].at[:, rows_cta] for sc in s_gmem),
+                 x_gmem.at[0, :, toks], x_gmem.at[1, :, toks])
 
 
 def x_planes(x):
@@ -116,20 +127,50 @@ def x_planes(x):
     return jnp.transpose(x.reshape(t, k // 2, 2), (2, 1, 0))
 
 
-def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, plane_cols: int = 64, stages: int = 4):
-    """W @ x^T in fp32 [N, T] for packed [N, K/2] uint8, scales_t [K/32, N] uint8 and planes = x_planes(x)
-    ([2, K/2, T] bf16). N a multiple of 128, T of tile_t (<= 256), K/2 of plane_cols (a multiple of 16)."""
-    n, half_k = packed.shape
+def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
+                          tile_t: int = 128, plane_cols: int = 64, stages: int = 4):
+    """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
+    = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
+    tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
+    same shapes, e.g. w1 and w3), scales_t: theirs as [E, K/32, N] uint8 (`transpose_scales`), planes:
+    `x_planes` of the slots' activations [2, K/2, S] bf16. epilogue: fp32 [64, tile_t] accumulators, one per
+    matrix -> the output block (default: the one matrix's product). N a multiple of 128, S of tile_t
+    (<= 256), K/2 of plane_cols (a multiple of 16)."""
+    packed, scales_t = tuple(packed), tuple(scales_t)
+    mats = len(packed)
+    num_experts, n, half_k = packed[0].shape
     t = planes.shape[-1]
     if n % (2 * ROWS_PER_WG) or t % tile_t or half_k % plane_cols or plane_cols % PLANE_STEP or tile_t > 256:
         raise ValueError(f"mxfp4_matmul: N = {n} (multiple of 128), T = {t} (of tile_t = {tile_t} <= 256), K/2 = "
                          f"{half_k} (of plane_cols = {plane_cols}, a multiple of {PLANE_STEP})")
-    if scales_t.shape != (2 * half_k // SCALE_BLOCK, n) or planes.shape != (2, half_k, t):
-        raise ValueError(f"mxfp4_matmul: scales_t {scales_t.shape} / planes {planes.shape} do not match packed "
-                         f"{packed.shape}")
-    kernel = functools.partial(_kernel, tile_t=tile_t, plane_cols=plane_cols, stages=stages)
+    for i, (p, sc) in enumerate(zip(packed, scales_t, strict=True)):
+        if p.shape != packed[0].shape or sc.shape != (num_experts, 2 * half_k // SCALE_BLOCK, n):
+            raise ValueError(f"mxfp4_matmul: matrix {i}: packed {p.shape} / scales_t {sc.shape} do not match "
+                             f"packed {packed[0].shape} as [E, N, K/2] / [E, K/32, N]")
+    if planes.shape != (2, half_k, t) or tile_expert.shape != (t // tile_t,):
+        raise ValueError(f"mxfp4_matmul: planes {planes.shape} / tile_expert {tile_expert.shape} do not match "
+                         f"K/2 = {half_k} and {t // tile_t} tiles of {tile_t}")
+    if epilogue is None:
+        if mats != 1:
+            raise ValueError(f"mxfp4_matmul: {mats} matrices need an epilogue that combines them")
+        epilogue = lambda acc: acc  # noqa: E731
+    kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
+                               epilogue=epilogue)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((n, t), jnp.float32), grid=(n // (2 * ROWS_PER_WG), t // tile_t),
+        kernel, out_type=jax.ShapeDtypeStruct((n, t), out_dtype), grid=(n // (2 * ROWS_PER_WG), t // tile_t),
         grid_names=("n", "t"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(packed, scales_t, planes)
+    )(tile_expert.astype(jnp.int32), *packed, *scales_t, planes)
+
+
+def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, plane_cols: int = 64, stages: int = 4):
+    """One matrix: W @ x^T in fp32 [N, T] for packed [N, K/2] uint8, scales_t [K/32, N] uint8 and planes =
+    x_planes(x) ([2, K/2, T] bf16): `grouped_mxfp4_matmul_t` with one expert."""
+    tiles = jnp.zeros((planes.shape[-1] // tile_t,), jnp.int32)
+    return grouped_mxfp4_matmul_t(tiles, (packed[None],), (scales_t[None],), planes, tile_t=tile_t,
+                                  plane_cols=plane_cols, stages=stages)
+
+
+def transpose_scales(scales):
+    """The release's E8M0 scales [..., N, K/32] -> [..., K/32, N], the kernel's layout."""
+    return jnp.swapaxes(scales, -1, -2)

@@ -1,0 +1,87 @@
+"""The prefill regime of the routed experts on Mosaic GPU (issue 7): the same contract as
+`kimik3_jax.ops.moe.routed_experts`, with the grouped warp-specialised MXFP4 GEMM of `wgmma_mxfp4.py` in the
+transposed orientation end to end (the weights are wgmma's M, because only its A operand may come from
+registers, where the nibbles are decoded):
+
+1. block-aligned dispatch (`dispatch.block_layout`, tiles of `tile_t` slots, one expert each);
+2. the slots' activations as even/odd K planes [2, L/2, S] (one XLA gather + transpose);
+3. gate+up: h^T [F, S] = SiTU(W1[e] x^T, W3[e] x^T) in one kernel (two accumulators per warpgroup, the
+   SiTU epilogue in registers), in the activation dtype as the reference rounds it;
+4. h^T's even and odd rows are down's planes (a reshape and a transpose by XLA);
+5. down: y^T [L, S] = W2[e] h^T in fp32;
+6. the combine: y^T transposed, times each slot's routing weight, gathered per token in top-k order.
+
+Steps 2, 4 and 6 are XLA passes over the slots (S of them, unused tiles included), and the E8M0 scales are
+transposed per call ([E, N, K/32] -> [E, K/32, N], 3% of the packed bytes); both are named costs for the
+benchmark to show. Columns of unused tiles are never written nor read back. GPU only: the warp-specialised
+pipeline has no interpreter rule (tests/test_moe_wgmma.py checks this glue on the CPU with the kernel's
+pure-JAX reference, `reference_matmul_t`, in its place).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kimik3_jax.mxfp4 import dequantize
+from kimik3_jax.ops.common import situ
+from pallas_kernels.moe import dispatch as dsp
+from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, transpose_scales, x_planes
+
+# tile_t: slots per tile (the dispatch's bm, wgmma's N); the single-expert probe's best on the H100
+# (2026-12-05, N = 6144, K = 3584, 4096 tokens): tile_t 256 / 2 stages 361 TFLOP/s, the default 128 / 4
+# stages 307, dense bf16 cuBLAS 723.
+TUNING = dict(tile_t=128, plane_cols=64, stages=4)
+
+
+def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
+                       tile_t: int = 128, **_):
+    """`grouped_mxfp4_matmul_t` in plain JAX (dequantise each tile's expert, fp32 products): the CPU's stand-in
+    for the kernel, and the GPU tests' reference. Unused tiles give zeros."""
+    num_experts = packed[0].shape[0]
+    e = jnp.minimum(tile_expert, num_experts - 1)
+    lo_hi = [planes[:, :, i * tile_t:(i + 1) * tile_t] for i in range(tile_expert.shape[0])]
+    x = jnp.stack(lo_hi).astype(jnp.float32)  # [tiles, 2, K/2, tile_t]
+    accs = []
+    for p, sc in zip(packed, scales_t, strict=True):
+        w = dequantize(p[e], jnp.swapaxes(sc[e], -1, -2), jnp.float32)  # [tiles, N, K]
+        w = jnp.stack([w[..., 0::2], w[..., 1::2]], axis=1)  # [tiles, 2, N, K/2]
+        accs.append(jnp.einsum("tpnk,tpks->tns", w, x, precision=jax.lax.Precision.HIGHEST))
+    out = (epilogue or (lambda a: a))(*accs).astype(out_dtype)
+    out = jnp.where((tile_expert < num_experts)[:, None, None], out, 0)
+    return jnp.concatenate(list(out), axis=-1)
+
+
+def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=None, matmul_t=None):
+    """Same contract as `kimik3_jax.ops.moe.routed_experts` for bf16 xl [N, L] and packed experts of one
+    layer -> [N, L] float32. `tuning`: overrides of TUNING; `matmul_t`: the grouped GEMM (default the
+    Mosaic GPU kernel; tests pass `reference_matmul_t`)."""
+    t = dict(TUNING, **(tuning or {}))
+    matmul_t = functools.partial(matmul_t or grouped_mxfp4_matmul_t, **t)
+    n, k = idx.shape
+    num_experts, width, _ = experts.w1_packed.shape
+    layout = dsp.block_layout(idx, weights, num_experts, t["tile_t"])
+    slots = layout.slot_token.shape[0]
+    planes = x_planes(xl[layout.slot_token])
+    h_t = matmul_t(layout.tile_expert, (experts.w1_packed, experts.w3_packed),
+                   (transpose_scales(experts.w1_scale), transpose_scales(experts.w3_scale)), planes,
+                   epilogue=lambda a1, a3: situ(a1, a3, beta, linear_beta), out_dtype=xl.dtype)
+    h_planes = jnp.transpose(h_t.reshape(width // 2, 2, slots), (1, 0, 2))
+    y_t = matmul_t(layout.tile_expert, (experts.w2_packed,), (transpose_scales(experts.w2_scale),), h_planes)
+    y = jnp.transpose(y_t) * layout.slot_weight[:, None]
+    return dsp.combine(y, layout, n, k)
+
+
+def supports_mgpu(xl, experts, tuning=None) -> str | None:
+    """Why the Mosaic GPU path cannot take these shapes (None: it can)."""
+    t = dict(TUNING, **(tuning or {}))
+    _, width, half = experts.w1_packed.shape
+    for what, n, k2 in (("gate+up", width, half), ("down", 2 * half, width // 2)):
+        if n % 128 or k2 % t["plane_cols"] or width % 2:
+            return (f"{what}: N = {n} must be a multiple of 128 and K/2 = {k2} of plane_cols = "
+                    f"{t['plane_cols']}")
+    if jnp.dtype(xl.dtype) != jnp.bfloat16:
+        return f"activations must be bfloat16, got {jnp.dtype(xl.dtype)}"
+    return None

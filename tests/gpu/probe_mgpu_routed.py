@@ -1,0 +1,72 @@
+"""GPU probe (written 2026-12-05, not yet run): the routed experts on Mosaic GPU (`pallas_kernels/moe/routed_mgpu.py`)
+at K3's widths (latent 3584, expert width 3072, 896 experts, top-16), against the Triton kernels' whole path
+(`pallas_kernels/moe/routed.py`, prefill tiles, asm1-unchecked: GPU-checked against the pure op before) on the same
+inputs: relative max error per token row, device time, TFLOP/s of the dequantised math, and the glue's share (the
+same call with the kernels' outputs replaced by zeros of their shape is not separable, so the two kernels are timed
+alone on the same dispatch).
+
+    python3 tests/gpu/probe_mgpu_routed.py                  # 4096 and 16384 tokens
+    MGPU_TOKENS=4096 MGPU_TUNINGS='[{}, {"tile_t": 256, "stages": 2}]' python3 tests/gpu/probe_mgpu_routed.py
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, "benchmarks")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moe import BETA, LINEAR_BETA, _random_experts, routing  # noqa: E402
+from timing import device_seconds  # noqa: E402
+
+from pallas_kernels.moe import dispatch as dsp  # noqa: E402
+from pallas_kernels.moe import routed as kern  # noqa: E402
+from pallas_kernels.moe import routed_mgpu as rm  # noqa: E402
+from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, transpose_scales, x_planes  # noqa: E402
+
+TOKENS = [int(t) for t in os.environ.get("MGPU_TOKENS", "4096,16384").split(",")]
+TUNINGS = json.loads(os.environ.get("MGPU_TUNINGS", '[{}, {"tile_t": 256, "stages": 2}]'))
+
+
+def main():
+    print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+    ex = _random_experts(jax.random.key(0), 896)
+    _, width, half = ex.w1_packed.shape
+    for n in TOKENS:
+        idx, w = routing(n, n)
+        xl = jax.random.normal(jax.random.key(n), (n, 2 * half), jnp.bfloat16)
+        flops = 6.0 * n * idx.shape[1] * 2 * half * width
+        tri = jax.jit(lambda x, i, w, e: kern.routed_experts(x, i, w, e, BETA, LINEAR_BETA, scale_max=120))
+        want = np.asarray(tri(xl, idx, w, ex), np.float64)
+        s_tri = device_seconds(tri, xl, idx, w, ex, calls=3)
+        print(f"tokens {n}: triton whole {s_tri * 1e3:.3f} ms ({flops / s_tri / 1e12:.0f} TFLOP/s)", flush=True)
+        for tuning in TUNINGS:
+            try:
+                f = jax.jit(lambda x, i, w, e, t=tuning: rm.routed_experts_mgpu(x, i, w, e, BETA, LINEAR_BETA, tuning=t))
+                got = np.asarray(f(xl, idx, w, ex), np.float64)
+                scale = np.abs(want).max(axis=-1, keepdims=True)
+                err = float(np.max(np.abs(got - want) / np.where(scale > 0, scale, 1)))
+                s = device_seconds(f, xl, idx, w, ex, calls=3)
+                t = dict(rm.TUNING, **tuning)
+                lo = dsp.block_layout(idx, w, 896, t["tile_t"])
+                planes = jax.jit(lambda x, s: x_planes(x[s]))(xl, lo.slot_token)
+                gu = jax.jit(lambda te, p, e: grouped_mxfp4_matmul_t(
+                    te, (e.w1_packed, e.w3_packed), (transpose_scales(e.w1_scale), transpose_scales(e.w3_scale)), p,
+                    epilogue=lambda a1, a3: a1 + a3, out_dtype=jnp.bfloat16, **t))
+                s_gu = device_seconds(gu, lo.tile_expert, planes, ex, calls=3)
+                h_planes = jnp.zeros((2, width // 2, planes.shape[-1]), jnp.bfloat16)
+                dn = jax.jit(lambda te, p, e: grouped_mxfp4_matmul_t(
+                    te, (e.w2_packed,), (transpose_scales(e.w2_scale),), p, **t))
+                s_dn = device_seconds(dn, lo.tile_expert, h_planes, ex, calls=3)
+                print(f"  mgpu {tuning}: whole {s * 1e3:.3f} ms ({flops / s / 1e12:.0f} TFLOP/s, "
+                      f"{s_tri / s:.2f}x triton), rel. max error vs triton {err:.1e}; gate+up kernel "
+                      f"{s_gu * 1e3:.3f} ms ({flops * 2 / 3 / s_gu / 1e12:.0f} TFLOP/s), down kernel {s_dn * 1e3:.3f} ms "
+                      f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s), glue {(s - s_gu - s_dn) * 1e3:.3f} ms; "
+                      f"slots {planes.shape[-1]}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  mgpu {tuning}: {type(e).__name__}: {str(e).splitlines()[0][:400]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
