@@ -2,15 +2,12 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cm (default 1234), e.g. "13", "25", "4"
-# The next runs (docs/benchmarks.md, "Still to run"), in this order: "0" (KDA decode: the split launches'
-# GPU tests, then their tilings against the default with fla), "c" (the checkpoint store as a branch:
-# the packed/checkpoint GPU tests, then prefill with and without checkpoints), "m" (the Mosaic GPU MXFP4
-# GEMM: does it lower and run on jax 0.11.2, is it right, how many TFLOP/s), "8" on an H200 (MoE by device
-# time; done on an H100 2026-12-05). Done 2026-12-05 on an H100: "2" (prefill target met with both peers),
-# "0" (decode tests pass; the one-launch value tiles slower), "6" (MoE swap candidates: no gain). "1" is the
-# KDA tests (all
-# 37 passed in 313 s on a cold H200, 2026-12-05).
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmr (default 1234), e.g. "13", "25", "4"
+# Next (docs/benchmarks.md, "Still to run"): "r" (the routed experts on Mosaic GPU against the Triton path),
+# then "8" on an H200. Done 2026-12-05 (seventeenth session, H100): "0" (split decode, now the default from
+# N = 32), "c" (the checkpoint branch: slower, reverted), "m" (the one-expert Mosaic GPU GEMM: right, 361 TFLOP/s).
+# Done 2026-12-05 on an H100 (sixteenth session): "2" (prefill target met with both peers), "6" (MoE swap
+# candidates: no gain). "1" is the KDA tests (all 37 passed in 313 s on a cold H200, 2026-12-05).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (step 0: LIMIT_0a for its tests,
 # LIMIT_0b for its benchmark); step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
@@ -43,6 +40,9 @@ case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check in
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k decode
   step 0-kda-decode-bench ${LIMIT_0b:-360} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
     --decode-tunings "$KDA_DECODE_CANDIDATES" ;;
+esac
+case $STEPS in *r*)  # the routed experts on Mosaic GPU against the Triton whole path, 4096 and 16384 tokens
+  step r-moe-mgpu-routed ${LIMIT_r:-480} python3 -u tests/gpu/probe_mgpu_routed.py ;;
 esac
 case $STEPS in *1*)  # the references' fp32 GEMMs need no autotuning for a correctness check
   XLA_FLAGS=--xla_gpu_autotune_level=0 step 1-kda-tests ${LIMIT_1:-480} \
