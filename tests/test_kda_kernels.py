@@ -382,7 +382,8 @@ def test_decode_split_equals_fused_over_steps(block_v):
 
 def test_decode_default_splits_from_split_from(monkeypatch):
     """The default (split=None) takes the split launches from SPLIT_FROM sequences on, with the tails in
-    place, and the one launch below that or when the tails are scattered; explicit split wins either way."""
+    place, and the one launch below that, when the tails are scattered or for an explicit block_v (the
+    one-launch value tiles); explicit split wins either way."""
     from pallas_kernels.kda import decode as decode_mod
     calls = []
     real = decode_mod.decode_split
@@ -391,7 +392,7 @@ def test_decode_default_splits_from_split_from(monkeypatch):
     rng = np.random.default_rng(613)
     kw = dict(eps=1e-5, lower_bound=LB, a_log=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32))
     for n, tuning, want in ((2, None, []), (3, None, [3]), (3, dict(tails_in_place=False), []),
-                            (2, dict(split=True), [2]), (3, dict(split=False), [])):
+                            (2, dict(split=True), [2]), (3, dict(split=False), []), (3, dict(block_v=16), [])):
         calls.clear()
         x = decode_inputs(rng, n, 5, d=32)
         o, _, s = kda_decode(*x.values(), interpret=True, tuning=tuning, **kw)

@@ -52,8 +52,8 @@ from pallas_kernels.kda.decode_split import decode_split
 # (2026-12-02, H = 96, whole V): 132.6 against 133.8 us per step at N = 32, 997.3 against 1024.1 at N = 256;
 # value tiles of 32 gained 5-7%.
 # split: three launches (`decode_split.py`): a prologue kernel per (sequence, head), a state-only kernel per
-# value tile (block_v; None: whole V), the output norm by XLA. None: split from SPLIT_FROM sequences on (with the
-# tails in place). On the H100 (2026-12-05, H = 96, whole V per state program), against the one-launch whole-V
+# value tile (block_v; None: whole V), the output norm by XLA. None: split from SPLIT_FROM sequences on (for the
+# whole-V default with the tails in place: `splits`). On the H100 (2026-12-05, H = 96, whole V per state program), against the one-launch whole-V
 # kernel: 158.9 against 165.2 us per step at N = 32, 1223.7 against 1268.9 at N = 256; at N = 1 the one launch
 # is the faster (7.3 against 8.4 us, fewer launches), so it stays below SPLIT_FROM.
 TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None)
@@ -135,10 +135,12 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
 
 
 def splits(tuning: dict, nb: int) -> bool:
-    """Whether a tuning takes the split launches for nb sequences (split None: from SPLIT_FROM on, tails in place)."""
+    """Whether a tuning takes the split launches for nb sequences. split None (the default): from SPLIT_FROM on,
+    for the whole-V default only (block_v None, the tails in place); an explicit block_v without split keeps
+    the one-launch value tiles."""
     t = dict(TUNING, **tuning)
     if t["split"] is None:
-        return t["tails_in_place"] is not False and nb >= SPLIT_FROM
+        return t["tails_in_place"] is not False and t["block_v"] is None and nb >= SPLIT_FROM
     return bool(t["split"])
 
 
