@@ -80,12 +80,18 @@ def test_bad_shapes_are_refused_by_name():
 
 # ------------------------------------------------------------------- the routed experts on Mosaic GPU
 
+def _expert_shapes(num, width, latent):
+    """Each ExpertParams field's shape: w1/w3 [num, width, latent], w2 [num, latent, width], packed and scales."""
+    mats = (("w1", (width, latent)), ("w3", (width, latent)), ("w2", (latent, width)))
+    return {f"{m}_{part}": (num, rows, cols // per) for m, (rows, cols) in mats
+            for part, per in (("packed", 2), ("scale", 32))}
+
+
 def _routed_case(rng, n, k, kind, num=16, width=128, latent=64):
     from test_moe_kernels import _routing
-    experts = {}
-    for name, (rows, cols) in (("w1", (width, latent)), ("w3", (width, latent)), ("w2", (latent, width))):
-        experts[name + "_packed"] = jnp.asarray(rng.integers(0, 256, (num, rows, cols // 2)), jnp.uint8)
-        experts[name + "_scale"] = jnp.asarray(rng.integers(118, 126, (num, rows, cols // 32)), jnp.uint8)
+    bounds = {"packed": (0, 256), "scale": (118, 126)}  # scale bytes near the release's
+    experts = {name: jnp.asarray(rng.integers(*bounds[name.split("_")[1]], shape), jnp.uint8)
+               for name, shape in _expert_shapes(num, width, latent).items()}
     idx, w = _routing(rng, n, k, kind)
     return jnp.asarray(rng.standard_normal((n, latent)), jnp.bfloat16), idx, w, ExpertParams(**experts)
 
@@ -132,17 +138,16 @@ def test_routed_mgpu_lowers_for_cuda():
     the tile's expert read from the schedule table."""
     from test_moe_kernels import BETA, LINEAR_BETA
     width, latent, num, n, k = 256, 256, 4, 64, 2
-    experts = ExpertParams(**{
-        f"{m}_{part}": jax.ShapeDtypeStruct((num,) + ((width, latent) if m != "w2" else (latent, width))[:1]
-                                            + (((latent if m != "w2" else width) // (2 if part == "packed" else 32)),),
-                                            jnp.uint8)
-        for m in ("w1", "w3", "w2") for part in ("packed", "scale")})
+    experts = ExpertParams(**{k: jax.ShapeDtypeStruct(v, jnp.uint8)
+                              for k, v in _expert_shapes(num, width, latent).items()})
     args = (jax.ShapeDtypeStruct((n, latent), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int32),
             jax.ShapeDtypeStruct((n, k), jnp.float32), experts)
     f = jax.jit(lambda x, i, w, ex: rm.routed_experts_mgpu(x, i, w, ex, BETA, LINEAR_BETA))
     hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("mosaic_gpu") >= 2
-    assert rm.supports_mgpu(jnp.zeros((1, latent), jnp.bfloat16), experts) is None
-    assert "multiple of 128" in rm.supports_mgpu(jnp.zeros((1, 64), jnp.bfloat16), ExpertParams(**{
-        f"{m}_{p}": jax.ShapeDtypeStruct((1, 64, 32 if p == "packed" else 2), jnp.uint8)
-        for m in ("w1", "w3", "w2") for p in ("packed", "scale")}))
+    route = (jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), jnp.float32))
+    with pytest.raises(ValueError, match="N = 64 \\(multiple of 128\\)"):
+        small = ExpertParams(**{k: jnp.zeros(v, jnp.uint8) for k, v in _expert_shapes(1, 64, 64).items()})
+        rm.routed_experts_mgpu(jnp.zeros((2, 64), jnp.bfloat16), *route, small, BETA, LINEAR_BETA)
+    with pytest.raises(ValueError, match="activations must be bfloat16"):
+        rm.routed_experts_mgpu(jnp.zeros((2, latent), jnp.float32), *route, experts, BETA, LINEAR_BETA)

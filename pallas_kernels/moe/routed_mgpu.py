@@ -41,17 +41,17 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
     """`grouped_mxfp4_matmul_t` in plain JAX (dequantise each tile's expert, fp32 products): the CPU's stand-in
     for the kernel, and the GPU tests' reference. Unused tiles give zeros."""
     num_experts = packed[0].shape[0]
+    tiles = tile_expert.shape[0]
     e = jnp.minimum(tile_expert, num_experts - 1)
-    lo_hi = [planes[:, :, i * tile_t:(i + 1) * tile_t] for i in range(tile_expert.shape[0])]
-    x = jnp.stack(lo_hi).astype(jnp.float32)  # [tiles, 2, K/2, tile_t]
+    x = jnp.moveaxis(planes.reshape(2, planes.shape[1], tiles, tile_t), 2, 0).astype(jnp.float32)  # [tiles, 2, K/2, tile_t]
     accs = []
     for p, sc in zip(packed, scales_t, strict=True):
         w = dequantize(p[e], jnp.swapaxes(sc[e], -1, -2), jnp.float32)  # [tiles, N, K]
         w = jnp.stack([w[..., 0::2], w[..., 1::2]], axis=1)  # [tiles, 2, N, K/2]
         accs.append(jnp.einsum("tpnk,tpks->tns", w, x, precision=jax.lax.Precision.HIGHEST))
     out = (epilogue or (lambda a: a))(*accs).astype(out_dtype)
-    out = jnp.where((tile_expert < num_experts)[:, None, None], out, 0)
-    return jnp.concatenate(list(out), axis=-1)
+    out = jnp.where((tile_expert < num_experts)[:, None, None], out, 0)  # [tiles, N, tile_t]
+    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], tiles * tile_t)
 
 
 def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=None, matmul_t=None):
@@ -59,6 +59,8 @@ def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=
     layer -> [N, L] float32. `tuning`: overrides of TUNING; `matmul_t`: the grouped GEMM (default the
     Mosaic GPU kernel; tests pass `reference_matmul_t`)."""
     t = dict(TUNING, **(tuning or {}))
+    if jnp.dtype(xl.dtype) != jnp.bfloat16:  # the kernel's shapes are checked by the kernel, by name
+        raise ValueError(f"routed_experts_mgpu: activations must be bfloat16, got {jnp.dtype(xl.dtype)}")
     matmul_t = functools.partial(matmul_t or grouped_mxfp4_matmul_t, **t)
     n, k = idx.shape
     num_experts, width, _ = experts.w1_packed.shape
@@ -73,15 +75,3 @@ def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=
     y = jnp.transpose(y_t) * layout.slot_weight[:, None]
     return dsp.combine(y, layout, n, k)
 
-
-def supports_mgpu(xl, experts, tuning=None) -> str | None:
-    """Why the Mosaic GPU path cannot take these shapes (None: it can)."""
-    t = dict(TUNING, **(tuning or {}))
-    _, width, half = experts.w1_packed.shape
-    for what, n, k2 in (("gate+up", width, half), ("down", 2 * half, width // 2)):
-        if n % 128 or k2 % t["plane_cols"] or width % 2:
-            return (f"{what}: N = {n} must be a multiple of 128 and K/2 = {k2} of plane_cols = "
-                    f"{t['plane_cols']}")
-    if jnp.dtype(xl.dtype) != jnp.bfloat16:
-        return f"activations must be bfloat16, got {jnp.dtype(xl.dtype)}"
-    return None

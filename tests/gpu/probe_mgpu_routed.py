@@ -1,9 +1,8 @@
 """GPU probe (written 2026-12-05, not yet run): the routed experts on Mosaic GPU (`pallas_kernels/moe/routed_mgpu.py`)
 at K3's widths (latent 3584, expert width 3072, 896 experts, top-16), against the Triton kernels' whole path
 (`pallas_kernels/moe/routed.py`, prefill tiles, asm1-unchecked: GPU-checked against the pure op before) on the same
-inputs: relative max error per token row, device time, TFLOP/s of the dequantised math, and the glue's share (the
-same call with the kernels' outputs replaced by zeros of their shape is not separable, so the two kernels are timed
-alone on the same dispatch).
+inputs: relative max error per token row, device time, TFLOP/s of the dequantised math, and the XLA glue's share
+(the whole path's time less the two grouped kernels timed alone on the same dispatch).
 
     python3 tests/gpu/probe_mgpu_routed.py                  # 4096 and 16384 tokens
     MGPU_TOKENS=4096 MGPU_TUNINGS='[{}, {"tile_t": 256, "stages": 2}]' python3 tests/gpu/probe_mgpu_routed.py
@@ -20,6 +19,7 @@ import numpy as np  # noqa: E402
 from moe import BETA, LINEAR_BETA, _random_experts, routing  # noqa: E402
 from timing import device_seconds  # noqa: E402
 
+from kimik3_jax.ops.common import situ  # noqa: E402
 from pallas_kernels.moe import dispatch as dsp  # noqa: E402
 from pallas_kernels.moe import routed as kern  # noqa: E402
 from pallas_kernels.moe import routed_mgpu as rm  # noqa: E402
@@ -53,7 +53,7 @@ def main():
                 planes = jax.jit(lambda x, s: x_planes(x[s]))(xl, lo.slot_token)
                 gu = jax.jit(lambda te, p, e: grouped_mxfp4_matmul_t(
                     te, (e.w1_packed, e.w3_packed), (transpose_scales(e.w1_scale), transpose_scales(e.w3_scale)), p,
-                    epilogue=lambda a1, a3: a1 + a3, out_dtype=jnp.bfloat16, **t))
+                    epilogue=lambda a1, a3: situ(a1, a3, BETA, LINEAR_BETA), out_dtype=jnp.bfloat16, **t))
                 s_gu = device_seconds(gu, lo.tile_expert, planes, ex, calls=3)
                 h_planes = jnp.zeros((2, width // 2, planes.shape[-1]), jnp.bfloat16)
                 dn = jax.jit(lambda te, p, e: grouped_mxfp4_matmul_t(
