@@ -151,3 +151,31 @@ def test_routed_mgpu_lowers_for_cuda():
         rm.routed_experts_mgpu(jnp.zeros((2, 64), jnp.bfloat16), *route, small, BETA, LINEAR_BETA)
     with pytest.raises(ValueError, match="activations must be bfloat16"):
         rm.routed_experts_mgpu(jnp.zeros((2, latent), jnp.float32), *route, experts, BETA, LINEAR_BETA)
+
+
+def test_prefill_kernels_switch_picks_mosaic_gpu_only_for_the_prefill_regime_on_the_gpu(monkeypatch):
+    """`routed.routed_experts(prefill_kernels="mgpu")` hands the prefill regime to `routed_experts_mgpu` when
+    not interpreting and the widths fit; the decode regime, an explicit config, the interpreter and widths
+    it does not take keep the Triton kernels (their result equals the pure op's)."""
+    from test_moe_kernels import BETA, LINEAR_BETA, RTOL
+    from pallas_kernels.moe import routed
+    calls = []
+    monkeypatch.setattr(rm, "routed_experts_mgpu", lambda *a, **kw: calls.append(a) or "mgpu")
+    spec = lambda n, latent=256, width=256: (  # noqa: E731
+        jnp.zeros((n, latent), jnp.bfloat16), jnp.zeros((n, 4), jnp.int32), jnp.ones((n, 4), jnp.float32),
+        ExpertParams(**{k: jnp.zeros(v, jnp.uint8) for k, v in _expert_shapes(4, width, latent).items()}))
+    prefill_n = routed.DECODE_MAX_ROWS * 4 // 4 + 1  # pairs above the decode regime's for 4 experts
+    assert routed.routed_experts(*spec(prefill_n), BETA, LINEAR_BETA, interpret=False,
+                                 prefill_kernels="mgpu") == "mgpu"
+    assert len(calls) == 1
+    assert not rm.fits(192, 256) and rm.fits(256, 256)
+    with pytest.raises(ValueError, match="prefill_kernels must be"):
+        routed.routed_experts(*spec(prefill_n), BETA, LINEAR_BETA, prefill_kernels="cutlass")
+    rng = np.random.default_rng(3)
+    xl, idx, w, experts = _routed_case(rng, 150, 4, "random")  # 600 pairs on 16 experts: prefill
+    assert routed.choose_config(idx.size, 16) is routed.PREFILL
+    got = routed.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, interpret=True, prefill_kernels="mgpu")
+    want = routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, "gathered")
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.max(np.abs(got - want) / np.abs(want).max(axis=-1, keepdims=True)) <= RTOL
+    assert len(calls) == 1

@@ -12,7 +12,8 @@ import numpy as np
 from kimik3_jax.ops.impl import Unsupported, register
 from pallas_kernels.moe import decode as dec
 from pallas_kernels.moe import dispatch as dsp
-from pallas_kernels.moe.kernels import DEFAULT_DECODE, TileConfig, Tiles, check_tiles, down, gate_up
+from pallas_kernels.moe import routed_mgpu as mgpu
+from pallas_kernels.moe.kernels import DEFAULT_DECODE, TileConfig, Tiles, check_tiles, down, gate_up, resolve_interpret
 
 # From H200 sweeps at K3's widths (latent 3584, expert 3072; docs/benchmarks.md). Decode: with the asm decode,
 # bk 256 and 3 stages beat bk 128 / 4 stages by 9% (gate+up) and 8% (down) at 16 tokens, 9% / 18% at 512
@@ -24,6 +25,9 @@ DECODE = TileConfig(bm=16, gate_up=Tiles(bn=64, bk=256, num_warps=4, num_stages=
 PREFILL = TileConfig(bm=128, gate_up=Tiles(bn=64, bk=64, num_warps=4, num_stages=3),
                      down=Tiles(bn=128, bk=64, num_warps=8, num_stages=3))
 DECODE_MAX_ROWS = 32  # mean pairs per expert up to which weight streaming (bm 16) wins
+# The prefill regime's kernels on the GPU: "triton" (gate_up / down above) or "mgpu" (`routed_mgpu`: Mosaic GPU,
+# warp-specialised wgmma). The interpreter, and widths "mgpu" does not take (`routed_mgpu.fits`), run "triton".
+PREFILL_KERNELS = "triton"
 
 
 def choose_config(pairs: int, num_experts: int) -> TileConfig:
@@ -57,7 +61,7 @@ def decoder_for(decode: str, scale_max: int | None) -> str:
 
 
 def supports(xl, idx, weights, experts, beta, linear_beta, strategy="auto", *, config=None, interpret=None,
-             decode=DEFAULT_DECODE, scale_max=None):
+             decode=DEFAULT_DECODE, scale_max=None, prefill_kernels=None):
     if not _packed(experts):
         raise Unsupported("routed_experts kernel: needs packed MXFP4 experts (w1_packed, ...), got "
                           f"{type(experts).__name__}")
@@ -82,7 +86,7 @@ def supports(xl, idx, weights, experts, beta, linear_beta, strategy="auto", *, c
 
 @register("routed_experts", supports)
 def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto", *, config=None,
-                   interpret=None, decode=DEFAULT_DECODE, scale_max=None):
+                   interpret=None, decode=DEFAULT_DECODE, scale_max=None, prefill_kernels=None):
     """Same contract as `kimik3_jax.ops.moe.routed_experts` (bf16 xl [N, L], packed experts of one layer)
     -> [N, L] float32. `strategy` is the pure op's and is ignored: the tiles follow the number of pairs per
     expert (`choose_config`) unless `config` is given. `decode` picks the in-register MXFP4 decode
@@ -92,12 +96,20 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
     is a benchmark diagnostic (wrong values). `scale_max`, the experts' largest scale byte when known
     (`Runtime.expert_scale_max`): at most 128 turns "asm1" into "asm1-unchecked" (`decoder_for`), which
     skips asm1's per-program check (on the H200, 2026-12-03: decode gate+up 12% and prefill down 26-35%
-    faster at K3 widths, the same bits)."""
+    faster at K3 widths, the same bits). `prefill_kernels` (default PREFILL_KERNELS): "triton" or "mgpu" for
+    the prefill regime when `config` is not given."""
     del strategy
     decode = decoder_for(decode, scale_max)
     n, k = idx.shape
     num_experts, width, half = experts.w1_packed.shape
-    cfg = fit(config or choose_config(n * k, num_experts), 2 * half, width)
+    chosen = config or choose_config(n * k, num_experts)
+    prefill_kernels = prefill_kernels or PREFILL_KERNELS
+    if prefill_kernels not in ("triton", "mgpu"):
+        raise ValueError(f"routed_experts kernel: prefill_kernels must be 'triton' or 'mgpu', got {prefill_kernels!r}")
+    if (config is None and chosen is PREFILL and prefill_kernels == "mgpu" and not resolve_interpret(interpret)
+            and mgpu.fits(2 * half, width)):
+        return mgpu.routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta)
+    cfg = fit(chosen, 2 * half, width)
     layout = dsp.block_layout(idx, weights, num_experts, cfg.bm)
     h = gate_up(xl, layout.tile_expert, layout.slot_token, experts.w1_packed, experts.w1_scale,
                 experts.w3_packed, experts.w3_scale, beta, linear_beta, cfg.bm, cfg.gate_up, interpret, decode)

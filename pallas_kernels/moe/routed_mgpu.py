@@ -36,6 +36,14 @@ from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, transpose_sca
 TUNING = dict(tile_t=128, plane_cols=64, stages=4)
 
 
+def fits(latent: int, width: int, tuning=None) -> bool:
+    """Whether both grouped GEMMs take these widths: the output rows (width for gate+up, latent for down) in
+    blocks of 128 and each reduction's planes (latent / 2, width / 2) in blocks of plane_cols."""
+    t = dict(TUNING, **(tuning or {}))
+    return all(n % 128 == 0 and (k // 2) % t["plane_cols"] == 0 and k % 2 == 0
+               for n, k in ((width, latent), (latent, width)))
+
+
 def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
                        tile_t: int = 128, **_):
     """`grouped_mxfp4_matmul_t` in plain JAX (dequantise each tile's expert, fp32 products): the CPU's stand-in
