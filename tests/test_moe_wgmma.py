@@ -57,7 +57,8 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("tuning", [{}, {"tile_t": 256, "stages": 2}, {"plane_cols": 32, "stages": 6}])
+@pytest.mark.parametrize("tuning", [{}, {"tile_t": 256, "stages": 2}, {"plane_cols": 32, "stages": 6},
+                                    {"tile_t": 256, "stages": 3, "delay": 1}])
 def test_kernel_lowers_for_cuda(tuning):
     n, k, t = 256, 512, 256
     args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),
@@ -74,6 +75,9 @@ def test_bad_shapes_are_refused_by_name():
                         jnp.zeros((2, 256, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="scales_t"):
         wg.mxfp4_matmul(packed, jnp.zeros((256, 16), jnp.uint8), jnp.zeros((2, 256, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="delay = 1 must be 0 or 1 and below stages = 1"):
+        wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 256, 128), jnp.bfloat16), stages=1,
+                        delay=1)
     with pytest.raises(ValueError, match="tile_t"):
         wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 256, 100), jnp.bfloat16))
 

@@ -71,7 +71,7 @@ def decode(nibbles, factor):
     return value * factor
 
 
-def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, epilogue):
+def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue):
     """Program (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices)."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
@@ -96,7 +96,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
                 factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
                 plgpu.wgmma(accs[m], decode(packed & 0xF, factor), xlo_smem.at[cols])
                 plgpu.wgmma(accs[m], decode((packed >> 4) & 0xF, factor), xhi_smem.at[cols])
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(delay * subs * 2 * mats)  # with delay 1, this step's wgmmas may still run
         return accs
 
     def compute_context(eval_pipeline):
@@ -107,9 +107,9 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
             out_gmem.at[rows_cta].at[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG), toks][...] = out.astype(out_gmem.dtype)
         pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32) for _ in range(mats)))
 
-    w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS)
-    s_spec = plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0))
-    x_spec = plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS)
+    w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS, delay_release=delay)
+    s_spec = plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0), delay_release=delay)
+    x_spec = plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS, delay_release=delay)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=stages, compute_context=compute_context,
@@ -128,14 +128,16 @@ def x_planes(x):
 
 
 def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
-                          tile_t: int = 128, plane_cols: int = 64, stages: int = 4):
+                          tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
     same shapes, e.g. w1 and w3), scales_t: theirs as [E, K/32, N] uint8 (`transpose_scales`), planes:
     `x_planes` of the slots' activations [2, K/2, S] bf16. epilogue: fp32 [64, tile_t] accumulators, one per
     matrix -> the output block (default: the one matrix's product). N a multiple of 128, S of tile_t
-    (<= 256), K/2 of plane_cols (a multiple of 16)."""
+    (<= 256), K/2 of plane_cols (a multiple of 16). delay: 0 waits for each pipeline step's wgmmas before its
+    shared-memory stage is released; 1 releases a stage one step later and waits only for the previous
+    step's wgmmas, so a step's decode overlaps the tensor cores' work on the step before (stages > 1)."""
     packed, scales_t = tuple(packed), tuple(scales_t)
     mats = len(packed)
     num_experts, n, half_k = packed[0].shape
@@ -143,6 +145,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     if n % (2 * ROWS_PER_WG) or t % tile_t or half_k % plane_cols or plane_cols % PLANE_STEP or tile_t > 256:
         raise ValueError(f"mxfp4_matmul: N = {n} (multiple of 128), T = {t} (of tile_t = {tile_t} <= 256), K/2 = "
                          f"{half_k} (of plane_cols = {plane_cols}, a multiple of {PLANE_STEP})")
+    if delay not in (0, 1) or stages <= delay:
+        raise ValueError(f"mxfp4_matmul: delay = {delay} must be 0 or 1 and below stages = {stages}")
     for i, (p, sc) in enumerate(zip(packed, scales_t, strict=True)):
         if p.shape != packed[0].shape or sc.shape != (num_experts, 2 * half_k // SCALE_BLOCK, n):
             raise ValueError(f"mxfp4_matmul: matrix {i}: packed {p.shape} / scales_t {sc.shape} do not match "
@@ -155,7 +159,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
             raise ValueError(f"mxfp4_matmul: {mats} matrices need an epilogue that combines them")
         epilogue = lambda acc: acc  # noqa: E731
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
-                               epilogue=epilogue)
+                               delay=delay, epilogue=epilogue)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((n, t), out_dtype), grid=(n // (2 * ROWS_PER_WG), t // tile_t),
         grid_names=("n", "t"), num_threads=3, thread_name="wg",
@@ -163,12 +167,13 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     )(tile_expert.astype(jnp.int32), *packed, *scales_t, planes)
 
 
-def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, plane_cols: int = 64, stages: int = 4):
+def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, plane_cols: int = 64, stages: int = 4,
+                 delay: int = 0):
     """One matrix: W @ x^T in fp32 [N, T] for packed [N, K/2] uint8, scales_t [K/32, N] uint8 and planes =
     x_planes(x) ([2, K/2, T] bf16): `grouped_mxfp4_matmul_t` with one expert."""
     tiles = jnp.zeros((planes.shape[-1] // tile_t,), jnp.int32)
     return grouped_mxfp4_matmul_t(tiles, (packed[None],), (scales_t[None],), planes, tile_t=tile_t,
-                                  plane_cols=plane_cols, stages=stages)
+                                  plane_cols=plane_cols, stages=stages, delay=delay)
 
 
 def transpose_scales(scales):
