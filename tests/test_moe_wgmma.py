@@ -58,7 +58,8 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
 
 
 @pytest.mark.parametrize("tuning", [{}, {"tile_t": 256, "stages": 2}, {"plane_cols": 32, "stages": 6},
-                                    {"tile_t": 256, "stages": 3, "delay": 1}])
+                                    {"tile_t": 256, "stages": 3, "delay": 1},
+                                    {"delay": 1, "persistent": True, "sms": 132}])
 def test_kernel_lowers_for_cuda(tuning):
     n, k, t = 256, 512, 256
     args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),

@@ -71,17 +71,16 @@ def decode(nibbles, factor):
     return value * factor
 
 
-def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue):
-    """Program (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
-    out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices)."""
+def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue,
+            persistent: bool):
+    """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
+    out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
+    per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
+    pipeline buffers, so that a tile's first loads overlap the previous tile's epilogue."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
     n_tile = 2 * ROWS_PER_WG
-    num_experts, _, half_k = w_gmem[0].shape
-    n_idx, t_idx = lax.axis_index("n"), lax.axis_index("t")
-    rows_cta = pl.ds(n_idx * n_tile, n_tile)
-    toks = pl.ds(t_idx * tile_t, tile_t)
+    num_experts, n, half_k = w_gmem[0].shape
     subs = plane_cols // PLANE_STEP
-    e = tile_expert[t_idx]
 
     def body(_, *smem):
         w_smem, s_smem, (xlo_smem, xhi_smem), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
@@ -99,26 +98,51 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
         plgpu.wgmma_wait(delay * subs * 2 * mats)  # with delay 1, this step's wgmmas may still run
         return accs
 
-    def compute_context(eval_pipeline):
-        def scope(*accs):
-            eval_pipeline(accs)
-            wg = lax.axis_index("wg")
-            out = epilogue(*(a[...] for a in accs))
-            out_gmem.at[rows_cta].at[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG), toks][...] = out.astype(out_gmem.dtype)
-        pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32) for _ in range(mats)))
+    def pipeline_for(n_idx, t_idx):
+        def compute_context(eval_pipeline):
+            def scope(*accs):
+                eval_pipeline(accs)
+                wg = lax.axis_index("wg")
+                out = epilogue(*(a[...] for a in accs))
+                out_gmem.at[pl.ds(n_idx * n_tile, n_tile)].at[
+                    pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG), pl.ds(t_idx * tile_t, tile_t)][...] = out.astype(
+                        out_gmem.dtype)
+            pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32) for _ in range(mats)))
 
-    w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS, delay_release=delay)
-    s_spec = plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0), delay_release=delay)
-    x_spec = plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS, delay_release=delay)
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=stages, compute_context=compute_context,
-        in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * 2)
+        w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS,
+                                 delay_release=delay)
+        s_spec = plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0), delay_release=delay)
+        x_spec = plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS,
+                                 delay_release=delay)
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=stages, compute_context=compute_context,
+            in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * 2)
 
-    @pl.when(e < num_experts)
-    def _():
-        pipeline(*(w.at[e].at[rows_cta] for w in w_gmem), *(sc.at[e].at[:, rows_cta] for sc in s_gmem),
-                 x_gmem.at[0, :, toks], x_gmem.at[1, :, toks])
+    def operands(e, n_idx, t_idx):
+        rows, toks = pl.ds(n_idx * n_tile, n_tile), pl.ds(t_idx * tile_t, tile_t)
+        return (*(w.at[e].at[rows] for w in w_gmem), *(sc.at[e].at[:, rows] for sc in s_gmem),
+                x_gmem.at[0, :, toks], x_gmem.at[1, :, toks])
+
+    def run_tile(n_idx, t_idx, **allocations):
+        e = tile_expert[t_idx]
+
+        @pl.when(e < num_experts)
+        def _():
+            pipeline_for(n_idx, t_idx)(*operands(e, n_idx, t_idx), **allocations)
+
+    if not persistent:
+        run_tile(lax.axis_index("n"), lax.axis_index("t"))
+        return
+    n_blocks, t_tiles = n // n_tile, out_gmem.shape[1] // tile_t
+    allocs = pipeline_for(0, 0).get_allocations(*operands(0, 0, 0))
+
+    def scope(allocations):
+        @plgpu.nd_loop((t_tiles, n_blocks), collective_axes="sm")
+        def _(info):
+            t_idx, n_idx = info.index
+            run_tile(n_idx, t_idx, allocations=allocations)
+    pl.run_scoped(scope, allocs, collective_axes="wg")
 
 
 def x_planes(x):
@@ -128,7 +152,8 @@ def x_planes(x):
 
 
 def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
-                          tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0):
+                          tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
+                          persistent: bool = False, sms: int | None = None):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
@@ -137,7 +162,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     matrix -> the output block (default: the one matrix's product). N a multiple of 128, S of tile_t
     (<= 256), K/2 of plane_cols (a multiple of 16). delay: 0 waits for each pipeline step's wgmmas before its
     shared-memory stage is released; 1 releases a stage one step later and waits only for the previous
-    step's wgmmas, so a step's decode overlaps the tensor cores' work on the step before (stages > 1)."""
+    step's wgmmas, so a step's decode overlaps the tensor cores' work on the step before (stages > 1).
+    persistent: one program per SM (`sms`, default the device's count) looping over the tiles."""
     packed, scales_t = tuple(packed), tuple(scales_t)
     mats = len(packed)
     num_experts, n, half_k = packed[0].shape
@@ -159,21 +185,33 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
             raise ValueError(f"mxfp4_matmul: {mats} matrices need an epilogue that combines them")
         epilogue = lambda acc: acc  # noqa: E731
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
-                               delay=delay, epilogue=epilogue)
+                               delay=delay, epilogue=epilogue, persistent=persistent)
+    if persistent:
+        grid, names = (sms or _sm_count(),), ("sm",)
+    else:
+        grid, names = (n // (2 * ROWS_PER_WG), t // tile_t), ("n", "t")
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((n, t), out_dtype), grid=(n // (2 * ROWS_PER_WG), t // tile_t),
-        grid_names=("n", "t"), num_threads=3, thread_name="wg",
+        kernel, out_type=jax.ShapeDtypeStruct((n, t), out_dtype), grid=grid, grid_names=names, num_threads=3,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(tile_expert.astype(jnp.int32), *packed, *scales_t, planes)
 
 
 def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, plane_cols: int = 64, stages: int = 4,
-                 delay: int = 0):
+                 delay: int = 0, persistent: bool = False, sms: int | None = None):
     """One matrix: W @ x^T in fp32 [N, T] for packed [N, K/2] uint8, scales_t [K/32, N] uint8 and planes =
     x_planes(x) ([2, K/2, T] bf16): `grouped_mxfp4_matmul_t` with one expert."""
     tiles = jnp.zeros((planes.shape[-1] // tile_t,), jnp.int32)
     return grouped_mxfp4_matmul_t(tiles, (packed[None],), (scales_t[None],), planes, tile_t=tile_t,
-                                  plane_cols=plane_cols, stages=stages, delay=delay)
+                                  plane_cols=plane_cols, stages=stages, delay=delay, persistent=persistent,
+                                  sms=sms)
+
+
+def _sm_count() -> int:
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise ValueError("mxfp4_matmul: persistent needs the GPU's SM count: pass sms= off the GPU")
+    return device.core_count
 
 
 def transpose_scales(scales):
