@@ -1,4 +1,4 @@
-"""Helpers shared by the KDA kernels: interpret-mode choice, Triton compiler parameters across jax
+"""Helpers shared by the KDA kernels: Triton compiler parameters across jax
 versions, the two transposed matmuls (as dot_generals, which the Triton lowering turns into
 tt.trans + tt.dot), the unit lower triangular inverse by matmuls, and the pieces both prefill kernels run
 per chunk (the serial loop over a sequence's chunks, the state step, the checkpoint store)."""
@@ -11,11 +11,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-
-
-def resolve_interpret(interpret: bool | None) -> bool:
-    """None: interpret (run the kernel body as plain JAX) unless the default backend is a GPU."""
-    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.impl import Unsupported, register
-from pallas_kernels.kda.common import compiler_params, resolve_interpret
+from pallas_kernels.common import resolve_interpret
+from pallas_kernels.kda.common import compiler_params
 from pallas_kernels.kda.decode_parts import conv as _conv
 from pallas_kernels.kda.decode_parts import gated_norm as _gated_norm
 from pallas_kernels.kda.decode_parts import grid as _grid

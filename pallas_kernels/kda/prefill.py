@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.impl import Unsupported, register
 from kimik3_jax.ops.kda import L2_EPS
+from pallas_kernels.common import resolve_interpret
 from pallas_kernels.kda import prefill_two_phase as two_phase
 from pallas_kernels.kda.common import (
     cdiv,
@@ -47,7 +48,6 @@ from pallas_kernels.kda.common import (
     compiler_params,
     dot_nt,
     exp_fast,
-    resolve_interpret,
     serial_chunks,
     series_inverse,
     sigmoid_fast,

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimik3_jax.ops.common import situ
+from pallas_kernels.common import resolve_interpret
 from pallas_kernels.moe import decode as dec
 
 _CompilerParams = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
@@ -64,10 +65,6 @@ class TileConfig:
     def from_dict(cls, d: dict) -> "TileConfig":
         """From {"bm": .., "gate_up": {Tiles fields}, "down": {Tiles fields}} (the benchmarks' JSON form)."""
         return cls(d["bm"], Tiles(**d["gate_up"]), Tiles(**d["down"]))
-
-
-def resolve_interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
 
 
 def _dot_t(a, b):

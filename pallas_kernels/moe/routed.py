@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3_jax.ops.impl import Unsupported, register
+from pallas_kernels.common import resolve_interpret
 from pallas_kernels.moe import decode as dec
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed_mgpu as mgpu
-from pallas_kernels.moe.kernels import DEFAULT_DECODE, TileConfig, Tiles, check_tiles, down, gate_up, resolve_interpret
+from pallas_kernels.moe.kernels import DEFAULT_DECODE, TileConfig, Tiles, check_tiles, down, gate_up
 
 # From H200 sweeps at K3's widths (latent 3584, expert 3072; docs/benchmarks.md). Decode: with the asm decode,
 # bk 256 and 3 stages beat bk 128 / 4 stages by 9% (gate+up) and 8% (down) at 16 tokens, 9% / 18% at 512
