@@ -147,7 +147,7 @@ def test_routed_mgpu_lowers_for_cuda():
                               for k, v in _expert_shapes(num, width, latent).items()})
     args = (jax.ShapeDtypeStruct((n, latent), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int32),
             jax.ShapeDtypeStruct((n, k), jnp.float32), experts)
-    f = jax.jit(lambda x, i, w, ex: rm.routed_experts_mgpu(x, i, w, ex, BETA, LINEAR_BETA))
+    f = jax.jit(lambda x, i, w, ex: rm.routed_experts_mgpu(x, i, w, ex, BETA, LINEAR_BETA, tuning={"sms": 132}))
     hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("mosaic_gpu") >= 2
     route = (jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), jnp.float32))

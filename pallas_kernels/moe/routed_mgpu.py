@@ -16,6 +16,11 @@ transposed per call ([E, N, K/32] -> [E, K/32, N], 3% of the packed bytes); both
 benchmark to show. Columns of unused tiles are never written nor read back. GPU only: the warp-specialised
 pipeline has no interpreter rule (tests/test_moe_wgmma.py checks this glue on the CPU with the kernel's
 pure-JAX reference, `reference_matmul_t`, in its place).
+
+On the H200 (2026-12-05, 16384 tokens, 896 experts, top-16) it equals the Triton path to 2.1e-4 and its two
+kernels take 58.8 ms against the Triton path's 72.9 ms whole, but the glue (steps 2, 4, 6 over 375936 slots,
+43% of them padding of the static worst case) takes 27 ms more, so the whole is 0.85x the Triton path's speed
+and `routed.PREFILL_KERNELS` stays "triton".
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ from kimik3_jax.ops.common import situ
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, transpose_scales, x_planes
 
-# tile_t: slots per tile (the dispatch's bm, wgmma's N); the single-expert probe's best on the H100
-# (2026-12-05, N = 6144, K = 3584, 4096 tokens): tile_t 256 / 2 stages 361 TFLOP/s, the default 128 / 4
-# stages 307, dense bf16 cuBLAS 723.
-TUNING = dict(tile_t=128, plane_cols=64, stages=4)
+# tile_t: slots per tile (the dispatch's bm, wgmma's N). The best whole path on the H200 at K3's widths and
+# 16384 tokens (tests/gpu/probe_mgpu_routed.py, 2026-12-05): delay 1, persistent, 3 stages, 85.6 ms (gate+up
+# 37.5 ms, down 21.3 ms); tile_t 256 runs out of shared memory at 3 stages and spills at 2 (gate+up 332 ms).
+TUNING = dict(tile_t=128, plane_cols=64, stages=3, delay=1, persistent=True)
 
 
 def fits(latent: int, width: int, tuning=None) -> bool:

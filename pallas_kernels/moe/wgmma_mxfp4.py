@@ -1,4 +1,5 @@
-"""Experimental (issue 7, not yet run on a GPU): one expert's MXFP4 x bf16 GEMM on Pallas' Mosaic GPU backend,
+"""The MXFP4 x bf16 expert GEMM (issue 7; right on the H100 and the H200, docs/benchmarks.md, seventeenth and
+eighteenth sessions) on Pallas' Mosaic GPU backend,
 warp-specialised, the design docs/benchmarks.md ("Still to run", the MoE prefill item) asks for. The Triton
 kernels decode a weight tile in registers and then wait on every wgmma, so decoding never overlaps the
 tensor cores; here a memory warpgroup streams the packed weights, the scales and the activations into a ring
@@ -23,10 +24,9 @@ How the decode avoids any register shuffles (offline lowering on jax 0.10.2, 202
   two: 2^126 and 2^(s - 127). (One multiply by 2^(s - 1) would do for s <= 128, as the Triton kernels' quick
   decoder does; the exact form is the first step.)
 
-Not registered with the `impl` switch: grouping over experts (the dispatch's sorted tokens and group offsets),
-gate+up in one pass with the SiTU epilogue and down with the routing weights come after the GPU has timed
-this single-expert GEMM (tests/gpu/probe_mgpu_mxfp4.py) against a dense bf16 GEMM. The transposed scales are
-3% of the packed bytes, an extra copy at load if the Triton decode kernels keep the release's layout.
+Grouped over experts (`grouped_mxfp4_matmul_t`: each token tile's expert from the dispatch's table), it is the
+prefill regime of `pallas_kernels/moe/routed_mgpu.py`, selected by `routed.PREFILL_KERNELS = "mgpu"`. The
+transposed scales are 3% of the packed bytes, made per call for now.
 """
 
 from __future__ import annotations
