@@ -3,8 +3,9 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmr (default 1234), e.g. "13", "25", "4"
-# Next (docs/benchmarks.md, "Still to run"): "r" (the routed experts on Mosaic GPU against the Triton path),
-# then "8" on an H200. Done 2026-12-05 (seventeenth session, H100): "0" (split decode, now the default from
+# Next (docs/benchmarks.md, "Still to run"): "r" again once the Mosaic GPU path's glue is reduced. Done
+# 2026-12-05 (eighteenth session, H200): "r" (right; 0.85x the Triton path, the glue), "8" (2.41 TB/s, 56% of
+# copy: issue-bound), "0" (split default). Done 2026-12-05 (seventeenth session, H100): "0" (split decode, now the default from
 # N = 32), "c" (the checkpoint branch: slower, reverted), "m" (the one-expert Mosaic GPU GEMM: right, 361 TFLOP/s).
 # Done 2026-12-05 on an H100 (sixteenth session): "2" (prefill target met with both peers), "6" (MoE swap
 # candidates: no gain). "1" is the KDA tests (all 37 passed in 313 s on a cold H200, 2026-12-05).

@@ -1,4 +1,4 @@
-"""GPU probe (written 2026-12-05, not yet run): the routed experts on Mosaic GPU (`pallas_kernels/moe/routed_mgpu.py`)
+"""GPU probe (first run 2026-12-05 on the H200: docs/benchmarks.md, eighteenth session): the routed experts on Mosaic GPU (`pallas_kernels/moe/routed_mgpu.py`)
 at K3's widths (latent 3584, expert width 3072, 896 experts, top-16), against the Triton kernels' whole path
 (`pallas_kernels/moe/routed.py`, prefill tiles, asm1-unchecked: GPU-checked against the pure op before) on the same
 inputs: relative max error per token row, device time, TFLOP/s of the dequantised math, and the XLA glue's share
