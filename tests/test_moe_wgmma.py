@@ -177,8 +177,8 @@ def test_prefill_kernels_switch_picks_mosaic_gpu_only_for_the_prefill_regime_on_
     with pytest.raises(ValueError, match="prefill_kernels must be"):
         routed.routed_experts(*spec(prefill_n), BETA, LINEAR_BETA, prefill_kernels="cutlass")
     rng = np.random.default_rng(3)
-    xl, idx, w, experts = _routed_case(rng, 150, 4, "random")  # 600 pairs on 16 experts: prefill
-    assert routed.choose_config(idx.size, 16) is routed.PREFILL
+    xl, idx, w, experts = _routed_case(rng, 150, 4, "random", width=256, latent=256)  # 600 pairs on 16 experts
+    assert routed.choose_config(idx.size, 16) is routed.PREFILL and rm.fits(256, 256)  # only the interpreter stops it
     got = routed.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, interpret=True, prefill_kernels="mgpu")
     want = routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, "gathered")
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
