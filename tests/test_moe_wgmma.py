@@ -151,7 +151,7 @@ def test_routed_mgpu_lowers_for_cuda():
     hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("mosaic_gpu") >= 2
     route = (jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), jnp.float32))
-    with pytest.raises(ValueError, match="N = 64 \\(multiple of 128\\)"):
+    with pytest.raises(ValueError, match="N = 64 \\(multiple of 256\\)"):
         small = ExpertParams(**{k: jnp.zeros(v, jnp.uint8) for k, v in _expert_shapes(1, 64, 64).items()})
         rm.routed_experts_mgpu(jnp.zeros((2, 64), jnp.bfloat16), *route, small, BETA, LINEAR_BETA)
     with pytest.raises(ValueError, match="activations must be bfloat16"):

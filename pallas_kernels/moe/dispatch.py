@@ -58,8 +58,12 @@ def block_layout(idx: jax.Array, weights: jax.Array, num_experts: int, bm: int) 
     return BlockLayout(tile_expert, slot_token, slot_weight, slot_of_pair, pair_used)
 
 
-def combine(y_slots: jax.Array, layout: BlockLayout, n: int, k: int) -> jax.Array:
-    """Per-slot outputs [T * bm, L] (routing weights applied) -> [N, L]: each token gathers its k pairs
-    and sums them in top-k order (a gather, never a scatter-add: deterministic)."""
-    y = jnp.where(layout.pair_used[:, None], y_slots[layout.slot_of_pair], 0.0)
+def combine(y_slots: jax.Array, layout: BlockLayout, n: int, k: int, weighted: bool = True) -> jax.Array:
+    """Per-slot outputs [T * bm, L] -> [N, L]: each token gathers its k pairs and sums them in top-k order
+    (a gather, never a scatter-add: deterministic). weighted: the routing weights are already applied;
+    False applies them to the gathered rows (one pass over the pairs, none over all the slots)."""
+    y = y_slots[layout.slot_of_pair]
+    if not weighted:
+        y = y * layout.slot_weight[layout.slot_of_pair][:, None]
+    y = jnp.where(layout.pair_used[:, None], y, 0.0)
     return jnp.sum(y.reshape(n, k, -1), axis=1)

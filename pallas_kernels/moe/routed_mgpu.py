@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from kimik3_jax.mxfp4 import dequantize
 from kimik3_jax.ops.common import situ
 from pallas_kernels.moe import dispatch as dsp
-from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, transpose_scales, x_planes
+from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, token_planes, transpose_scales
 
 # tile_t: slots per tile (the dispatch's bm, wgmma's N). The best whole path on the H200 at K3's widths and
 # 16384 tokens (tests/gpu/probe_mgpu_routed.py, 2026-12-05): delay 1, persistent, 3 stages, 85.6 ms (gate+up
@@ -42,20 +42,26 @@ TUNING = dict(tile_t=128, plane_cols=64, stages=3, delay=1, persistent=True)
 
 
 def fits(latent: int, width: int, tuning=None) -> bool:
-    """Whether both grouped GEMMs take these widths: the output rows (width for gate+up, latent for down) in
-    blocks of 128 and each reduction's planes (latent / 2, width / 2) in blocks of plane_cols."""
+    """Whether both grouped GEMMs take these widths: the output rows in blocks of 128 (width for gate+up, in
+    both planes: 256; latent for down) and each reduction's planes (latent / 2, width / 2) in blocks of
+    plane_cols."""
     t = dict(TUNING, **(tuning or {}))
-    return all(n % 128 == 0 and (k // 2) % t["plane_cols"] == 0 and k % 2 == 0
-               for n, k in ((width, latent), (latent, width)))
+    return all(n % rows == 0 and (k // 2) % t["plane_cols"] == 0 and k % 2 == 0
+               for n, k, rows in ((width, latent, 256), (latent, width, 128)))
 
 
 def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
-                       tile_t: int = 128, **_):
+                       tile_t: int = 128, x_tk: bool = False, plane_rows: bool = False, transpose_out: bool = False,
+                       **_):
     """`grouped_mxfp4_matmul_t` in plain JAX (dequantise each tile's expert, fp32 products): the CPU's stand-in
     for the kernel, and the GPU tests' reference. Unused tiles give zeros."""
     num_experts = packed[0].shape[0]
     tiles = tile_expert.shape[0]
     e = jnp.minimum(tile_expert, num_experts - 1)
+    if x_tk:
+        planes = jnp.swapaxes(planes, 1, 2)
+    if plane_rows:  # the weight rows in the output's order, as the kernel reads them
+        packed = [jnp.swapaxes(p.reshape(num_experts, -1, 2, p.shape[-1]), 1, 2).reshape(p.shape) for p in packed]
     x = jnp.moveaxis(planes.reshape(2, planes.shape[1], tiles, tile_t), 2, 0).astype(jnp.float32)  # [tiles, 2, K/2, tile_t]
     accs = []
     for p, sc in zip(packed, scales_t, strict=True):
@@ -64,7 +70,8 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
         accs.append(jnp.einsum("tpnk,tpks->tns", w, x, precision=jax.lax.Precision.HIGHEST))
     out = (epilogue or (lambda a: a))(*accs).astype(out_dtype)
     out = jnp.where((tile_expert < num_experts)[:, None, None], out, 0)  # [tiles, N, tile_t]
-    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], tiles * tile_t)
+    out = jnp.moveaxis(out, 0, 1).reshape(out.shape[1], tiles * tile_t)
+    return out.T if transpose_out else out
 
 
 def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=None, matmul_t=None):
@@ -79,12 +86,11 @@ def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=
     num_experts, width, _ = experts.w1_packed.shape
     layout = dsp.block_layout(idx, weights, num_experts, t["tile_t"])
     slots = layout.slot_token.shape[0]
-    planes = x_planes(xl[layout.slot_token])
-    h_t = matmul_t(layout.tile_expert, (experts.w1_packed, experts.w3_packed),
-                   (transpose_scales(experts.w1_scale), transpose_scales(experts.w3_scale)), planes,
-                   epilogue=lambda a1, a3: situ(a1, a3, beta, linear_beta), out_dtype=xl.dtype)
-    h_planes = jnp.transpose(h_t.reshape(width // 2, 2, slots), (1, 0, 2))
-    y_t = matmul_t(layout.tile_expert, (experts.w2_packed,), (transpose_scales(experts.w2_scale),), h_planes)
-    y = jnp.transpose(y_t) * layout.slot_weight[:, None]
-    return dsp.combine(y, layout, n, k)
-
+    planes = token_planes(xl)[:, layout.slot_token]  # [2, S, L/2]: a row gather
+    h_planes = matmul_t(layout.tile_expert, (experts.w1_packed, experts.w3_packed),
+                        tuple(transpose_scales(s, plane_rows=True) for s in (experts.w1_scale, experts.w3_scale)),
+                        planes, epilogue=lambda a1, a3: situ(a1, a3, beta, linear_beta), out_dtype=xl.dtype,
+                        x_tk=True, plane_rows=True)  # [F, S] = down's planes [2, F/2, S]
+    y = matmul_t(layout.tile_expert, (experts.w2_packed,), (transpose_scales(experts.w2_scale),),
+                 h_planes.reshape(2, width // 2, slots), transpose_out=True)  # [S, L] fp32
+    return dsp.combine(y, layout, n, k, weighted=False)

@@ -72,14 +72,15 @@ def decode(nibbles, factor):
 
 
 def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue,
-            persistent: bool):
+            persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
     pipeline buffers, so that a tile's first loads overlap the previous tile's epilogue."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
     n_tile = 2 * ROWS_PER_WG
-    num_experts, n, half_k = w_gmem[0].shape
+    num_experts, half_k = w_gmem[0].shape[0], w_gmem[0].shape[-1]
+    n = s_gmem[0].shape[-1]
     subs = plane_cols // PLANE_STEP
 
     def body(_, *smem):
@@ -93,8 +94,9 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
                 s = s_smem[m][i, rows].astype(jnp.int16)  # [64]: this block's scale per row
                 factor = lax.bitcast_convert_type(scale_bits(s), jnp.bfloat16)  # 2^(s - 127)
                 factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
-                plgpu.wgmma(accs[m], decode(packed & 0xF, factor), xlo_smem.at[cols])
-                plgpu.wgmma(accs[m], decode((packed >> 4) & 0xF, factor), xhi_smem.at[cols])
+                for nib, x_smem in ((packed & 0xF, xlo_smem), ((packed >> 4) & 0xF, xhi_smem)):
+                    b = plgpu.transpose_ref(x_smem.at[:, cols], (1, 0)) if x_tk else x_smem.at[cols]
+                    plgpu.wgmma(accs[m], decode(nib, factor), b)
         plgpu.wgmma_wait(delay * subs * 2 * mats)  # with delay 1, this step's wgmmas may still run
         return accs
 
@@ -103,16 +105,21 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
             def scope(*accs):
                 eval_pipeline(accs)
                 wg = lax.axis_index("wg")
-                out = epilogue(*(a[...] for a in accs))
-                out_gmem.at[pl.ds(n_idx * n_tile, n_tile)].at[
-                    pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG), pl.ds(t_idx * tile_t, tile_t)][...] = out.astype(
-                        out_gmem.dtype)
+                out = epilogue(*(a[...] for a in accs)).astype(out_gmem.dtype)
+                rows = pl.ds(n_idx * n_tile + wg * ROWS_PER_WG, ROWS_PER_WG)
+                toks = pl.ds(t_idx * tile_t, tile_t)
+                if transpose_out:
+                    out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.transpose_ref(out_gmem.at[toks, rows], (1, 0))[...] = out
+                else:
+                    out_gmem.at[rows, toks][...] = out
             pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32) for _ in range(mats)))
 
         w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS,
                                  delay_release=delay)
         s_spec = plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0), delay_release=delay)
-        x_spec = plgpu.BlockSpec((plane_cols, tile_t), lambda k: (k, 0), transforms=X_TRANSFORMS,
+        x_spec = plgpu.BlockSpec((tile_t, plane_cols) if x_tk else (plane_cols, tile_t),
+                                 (lambda k: (0, k)) if x_tk else (lambda k: (k, 0)), transforms=X_TRANSFORMS,
                                  delay_release=delay)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
@@ -121,8 +128,13 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
 
     def operands(e, n_idx, t_idx):
         rows, toks = pl.ds(n_idx * n_tile, n_tile), pl.ds(t_idx * tile_t, tile_t)
-        return (*(w.at[e].at[rows] for w in w_gmem), *(sc.at[e].at[:, rows] for sc in s_gmem),
-                x_gmem.at[0, :, toks], x_gmem.at[1, :, toks])
+        if plane_rows:  # output rows p * N/2 + i are weight rows 2 i + p: w is [E, N/2, 2, K/2]
+            half_blocks = n // (2 * n_tile)
+            w_rows = (pl.ds(lax.rem(n_idx, half_blocks) * n_tile, n_tile), lax.div(n_idx, half_blocks))
+        else:
+            w_rows = (rows,)
+        x_tiles = (x_gmem.at[0, toks], x_gmem.at[1, toks]) if x_tk else (x_gmem.at[0, :, toks], x_gmem.at[1, :, toks])
+        return (*(w.at[e].at[w_rows] for w in w_gmem), *(sc.at[e].at[:, rows] for sc in s_gmem), *x_tiles)
 
     def run_tile(n_idx, t_idx, **allocations):
         e = tile_expert[t_idx]
@@ -134,7 +146,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
     if not persistent:
         run_tile(lax.axis_index("n"), lax.axis_index("t"))
         return
-    n_blocks, t_tiles = n // n_tile, out_gmem.shape[1] // tile_t
+    n_blocks, t_tiles = n // n_tile, out_gmem.shape[0 if transpose_out else 1] // tile_t
     allocs = pipeline_for(0, 0).get_allocations(*operands(0, 0, 0))
 
     def scope(allocations):
@@ -151,60 +163,79 @@ def x_planes(x):
     return jnp.transpose(x.reshape(t, k // 2, 2), (2, 1, 0))
 
 
+def token_planes(x):
+    """x [T, K] -> [2, T, K/2]: the even and the odd columns, each token's a contiguous row (the x_tk
+    operand; a row gather of it gives the slots')."""
+    t, k = x.shape
+    return jnp.transpose(x.reshape(t, k // 2, 2), (2, 0, 1))
+
+
 def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
                           tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
-                          persistent: bool = False, sms: int | None = None):
+                          persistent: bool = False, sms: int | None = None, x_tk: bool = False,
+                          plane_rows: bool = False, transpose_out: bool = False):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
-    same shapes, e.g. w1 and w3), scales_t: theirs as [E, K/32, N] uint8 (`transpose_scales`), planes:
-    `x_planes` of the slots' activations [2, K/2, S] bf16. epilogue: fp32 [64, tile_t] accumulators, one per
-    matrix -> the output block (default: the one matrix's product). N a multiple of 128, S of tile_t
-    (<= 256), K/2 of plane_cols (a multiple of 16). delay: 0 waits for each pipeline step's wgmmas before its
-    shared-memory stage is released; 1 releases a stage one step later and waits only for the previous
-    step's wgmmas, so a step's decode overlaps the tensor cores' work on the step before (stages > 1).
-    persistent: one program per SM (`sms`, default the device's count) looping over the tiles."""
+    same shapes, e.g. w1 and w3), scales_t: theirs as [E, K/32, N] uint8 (`transpose_scales`), planes: the
+    slots' activations as even/odd K planes, [2, K/2, S] bf16 (`x_planes`), or [2, S, K/2] with x_tk (each
+    slot's planes a contiguous row: `token_planes` then a row gather). epilogue: fp32 [64, tile_t]
+    accumulators, one per matrix -> the output block (default: the one matrix's product).
+
+    plane_rows: the output's rows in plane order, row p * N/2 + i = weight row 2 i + p, so that out [N, S] is
+    the next GEMM's [2, N/2, S] planes with no pass between (scales_t from `transpose_scales(..., plane_rows=
+    True)`, in the same order). transpose_out: out is [S, N] (each block stored transposed from registers).
+
+    N a multiple of 128 (of 256 with plane_rows), S of tile_t (<= 256), K/2 of plane_cols (a multiple of
+    16). delay: 0 waits for each pipeline step's wgmmas before its shared-memory stage is released; 1
+    releases a stage one step later and waits only for the previous step's wgmmas, so a step's decode
+    overlaps the tensor cores' work on the step before (stages > 1). persistent: one program per SM (`sms`,
+    default the device's count) looping over the tiles."""
     packed, scales_t = tuple(packed), tuple(scales_t)
     mats = len(packed)
     num_experts, n, half_k = packed[0].shape
-    t = planes.shape[-1]
-    if n % (2 * ROWS_PER_WG) or t % tile_t or half_k % plane_cols or plane_cols % PLANE_STEP or tile_t > 256:
-        raise ValueError(f"mxfp4_matmul: N = {n} (multiple of 128), T = {t} (of tile_t = {tile_t} <= 256), K/2 = "
-                         f"{half_k} (of plane_cols = {plane_cols}, a multiple of {PLANE_STEP})")
+    t = planes.shape[1 if x_tk else 2]
+    if n % (2 * ROWS_PER_WG * (1 + plane_rows)) or t % tile_t or half_k % plane_cols or plane_cols % PLANE_STEP \
+            or tile_t > 256:
+        raise ValueError(f"mxfp4_matmul: N = {n} (multiple of {256 if plane_rows else 128}), T = {t} (of tile_t = "
+                         f"{tile_t} <= 256), K/2 = {half_k} (of plane_cols = {plane_cols}, a multiple of "
+                         f"{PLANE_STEP})")
     if delay not in (0, 1) or stages <= delay:
         raise ValueError(f"mxfp4_matmul: delay = {delay} must be 0 or 1 and below stages = {stages}")
     for i, (p, sc) in enumerate(zip(packed, scales_t, strict=True)):
         if p.shape != packed[0].shape or sc.shape != (num_experts, 2 * half_k // SCALE_BLOCK, n):
             raise ValueError(f"mxfp4_matmul: matrix {i}: packed {p.shape} / scales_t {sc.shape} do not match "
                              f"packed {packed[0].shape} as [E, N, K/2] / [E, K/32, N]")
-    if planes.shape != (2, half_k, t) or tile_expert.shape != (t // tile_t,):
+    if planes.shape != ((2, t, half_k) if x_tk else (2, half_k, t)) or tile_expert.shape != (t // tile_t,):
         raise ValueError(f"mxfp4_matmul: planes {planes.shape} / tile_expert {tile_expert.shape} do not match "
                          f"K/2 = {half_k} and {t // tile_t} tiles of {tile_t}")
     if epilogue is None:
         if mats != 1:
             raise ValueError(f"mxfp4_matmul: {mats} matrices need an epilogue that combines them")
         epilogue = lambda acc: acc  # noqa: E731
+    if plane_rows:
+        packed = tuple(p.reshape(num_experts, n // 2, 2, half_k) for p in packed)
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
-                               delay=delay, epilogue=epilogue, persistent=persistent)
+                               delay=delay, epilogue=epilogue, persistent=persistent, x_tk=x_tk,
+                               plane_rows=plane_rows, transpose_out=transpose_out)
     if persistent:
         grid, names = (sms or _sm_count(),), ("sm",)
     else:
         grid, names = (n // (2 * ROWS_PER_WG), t // tile_t), ("n", "t")
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((n, t), out_dtype), grid=grid, grid_names=names, num_threads=3,
-        thread_name="wg",
+        kernel, out_type=jax.ShapeDtypeStruct((t, n) if transpose_out else (n, t), out_dtype), grid=grid,
+        grid_names=names, num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(tile_expert.astype(jnp.int32), *packed, *scales_t, planes)
 
 
-def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, plane_cols: int = 64, stages: int = 4,
-                 delay: int = 0, persistent: bool = False, sms: int | None = None):
+def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, **options):
     """One matrix: W @ x^T in fp32 [N, T] for packed [N, K/2] uint8, scales_t [K/32, N] uint8 and planes =
-    x_planes(x) ([2, K/2, T] bf16): `grouped_mxfp4_matmul_t` with one expert."""
-    tiles = jnp.zeros((planes.shape[-1] // tile_t,), jnp.int32)
-    return grouped_mxfp4_matmul_t(tiles, (packed[None],), (scales_t[None],), planes, tile_t=tile_t,
-                                  plane_cols=plane_cols, stages=stages, delay=delay, persistent=persistent,
-                                  sms=sms)
+    x_planes(x) ([2, K/2, T] bf16, or token_planes(x) with x_tk): `grouped_mxfp4_matmul_t` with one expert
+    (its other options too: plane_rows, transpose_out, the tuning)."""
+    t = planes.shape[1 if options.get("x_tk") else 2]
+    tiles = jnp.zeros((t // tile_t,), jnp.int32)
+    return grouped_mxfp4_matmul_t(tiles, (packed[None],), (scales_t[None],), planes, tile_t=tile_t, **options)
 
 
 def _sm_count() -> int:
@@ -214,6 +245,11 @@ def _sm_count() -> int:
     return device.core_count
 
 
-def transpose_scales(scales):
-    """The release's E8M0 scales [..., N, K/32] -> [..., K/32, N], the kernel's layout."""
+def transpose_scales(scales, plane_rows: bool = False):
+    """The release's E8M0 scales [..., N, K/32] -> [..., K/32, N], the kernel's layout; with plane_rows the
+    N rows in plane order (row p * N/2 + i = row 2 i + p), as `grouped_mxfp4_matmul_t(plane_rows=True)`
+    reads them."""
+    if plane_rows:
+        *lead, n, kb = scales.shape
+        scales = jnp.swapaxes(scales.reshape(*lead, n // 2, 2, kb), -2, -3).reshape(*lead, n, kb)
     return jnp.swapaxes(scales, -1, -2)

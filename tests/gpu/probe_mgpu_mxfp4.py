@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from timing import device_seconds  # noqa: E402
 
 from kimik3_jax.mxfp4 import dequantize_np  # noqa: E402
-from pallas_kernels.moe.wgmma_mxfp4 import mxfp4_matmul, x_planes  # noqa: E402
+from pallas_kernels.moe.wgmma_mxfp4 import mxfp4_matmul, token_planes, transpose_scales, x_planes  # noqa: E402
 
 N, K = int(os.environ.get("MGPU_N", 6144)), int(os.environ.get("MGPU_K", 3584))
 TOKENS = [int(t) for t in os.environ.get("MGPU_T", "256,512,1024,4096").split(",")]
@@ -40,9 +40,32 @@ def case(rng, t, scale_lo, scale_hi):
     return packed, scales, x
 
 
+def layouts(rng, t):
+    """The operand and output layouts (x_tk, plane_rows, transpose_out), each alone and all together, with
+    the default tuning and the routed path's, against the same float32 product rearranged as each promises."""
+    packed, scales, x = case(rng, t, 119, 121)
+    want = dequantize_np(packed, scales, np.float32) @ np.asarray(x, np.float32).T
+    for opts in ({"x_tk": True}, {"plane_rows": True}, {"transpose_out": True},
+                 {"x_tk": True, "plane_rows": True, "transpose_out": True, "delay": 1, "persistent": True,
+                  "stages": 3}):
+        try:
+            planes = token_planes(x) if opts.get("x_tk") else x_planes(x)
+            sc = transpose_scales(jnp.asarray(scales), plane_rows=opts.get("plane_rows", False))
+            got = np.asarray(jax.jit(lambda *a, o=opts: mxfp4_matmul(*a, **o))(jnp.asarray(packed), sc, planes))
+            w = want.reshape(N // 2, 2, t).transpose(1, 0, 2).reshape(N, t) if opts.get("plane_rows") else want
+            w = w.T if opts.get("transpose_out") else w
+            err = np.abs(got - w).max() / np.abs(w).max() if got.shape == w.shape else float("nan")
+            s = device_seconds(jax.jit(lambda *a, o=opts: mxfp4_matmul(*a, **o)), jnp.asarray(packed), sc, planes)
+            print(f"  layout {opts}: shape {got.shape}, rel. max error {err:.1e}, {s * 1e3:.3f} ms, "
+                  f"{2 * N * K * t / s / 1e12:.0f} TFLOP/s")
+        except Exception as e:  # noqa: BLE001
+            print(f"  layout {opts}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
 def main():
     print(jax.__version__, jax.devices()[0].device_kind, f"N = {N}, K = {K}")
     rng = np.random.default_rng(0)
+    layouts(rng, TOKENS[-1])
     for t, (lo, hi) in [(TOKENS[0], (0, 200))] + [(t, (119, 121)) for t in TOKENS]:
         packed, scales, x = case(rng, t, lo, hi)
         w = dequantize_np(packed, scales, np.float32)

@@ -23,7 +23,7 @@ from kimik3_jax.ops.common import situ  # noqa: E402
 from pallas_kernels.moe import dispatch as dsp  # noqa: E402
 from pallas_kernels.moe import routed as kern  # noqa: E402
 from pallas_kernels.moe import routed_mgpu as rm  # noqa: E402
-from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, transpose_scales, x_planes  # noqa: E402
+from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, token_planes, transpose_scales  # noqa: E402
 
 TOKENS = [int(t) for t in os.environ.get("MGPU_TOKENS", "4096,16384").split(",")]
 TUNINGS = json.loads(os.environ.get("MGPU_TUNINGS", '[{}, {"tile_t": 256, "stages": 2}]'))
@@ -49,20 +49,32 @@ def main():
                 s = device_seconds(f, xl, idx, w, ex, calls=3)
                 t = dict(rm.TUNING, **tuning)
                 lo = dsp.block_layout(idx, w, 896, t["tile_t"])
-                planes = jax.jit(lambda x, s: x_planes(x[s]))(xl, lo.slot_token)
+                planes = jax.jit(lambda x, s: token_planes(x)[:, s])(xl, lo.slot_token)
                 gu = jax.jit(lambda te, p, e: grouped_mxfp4_matmul_t(
-                    te, (e.w1_packed, e.w3_packed), (transpose_scales(e.w1_scale), transpose_scales(e.w3_scale)), p,
-                    epilogue=lambda a1, a3: situ(a1, a3, BETA, LINEAR_BETA), out_dtype=jnp.bfloat16, **t))
+                    te, (e.w1_packed, e.w3_packed),
+                    tuple(transpose_scales(sc, plane_rows=True) for sc in (e.w1_scale, e.w3_scale)), p,
+                    epilogue=lambda a1, a3: situ(a1, a3, BETA, LINEAR_BETA), out_dtype=jnp.bfloat16, x_tk=True,
+                    plane_rows=True, **t))
                 s_gu = device_seconds(gu, lo.tile_expert, planes, ex, calls=3)
-                h_planes = jnp.zeros((2, width // 2, planes.shape[-1]), jnp.bfloat16)
-                dn = jax.jit(lambda te, p, e: grouped_mxfp4_matmul_t(
-                    te, (e.w2_packed,), (transpose_scales(e.w2_scale),), p, **t))
-                s_dn = device_seconds(dn, lo.tile_expert, h_planes, ex, calls=3)
+                h_planes = jnp.zeros((2, width // 2, planes.shape[1]), jnp.bfloat16)
+                dn = [jax.jit(lambda te, p, e, o=o: grouped_mxfp4_matmul_t(
+                    te, (e.w2_packed,), (transpose_scales(e.w2_scale),), p, transpose_out=o, **t)) for o in (True, False)]
+                s_dn, s_dn_t = (device_seconds(d, lo.tile_expert, h_planes, ex, calls=3) for d in dn)
                 print(f"  mgpu {tuning}: whole {s * 1e3:.3f} ms ({flops / s / 1e12:.0f} TFLOP/s, "
                       f"{s_tri / s:.2f}x triton), rel. max error vs triton {err:.1e}; gate+up kernel "
                       f"{s_gu * 1e3:.3f} ms ({flops * 2 / 3 / s_gu / 1e12:.0f} TFLOP/s), down kernel {s_dn * 1e3:.3f} ms "
-                      f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s), glue {(s - s_gu - s_dn) * 1e3:.3f} ms; "
-                      f"slots {planes.shape[-1]}", flush=True)
+                      f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s; {s_dn_t * 1e3:.3f} ms storing y^T), glue "
+                      f"{(s - s_gu - s_dn) * 1e3:.3f} ms; slots {planes.shape[1]}", flush=True)
+                y = jnp.zeros((planes.shape[1], 2 * half), jnp.float32)
+                parts = {
+                    "dispatch": (jax.jit(lambda i, w: dsp.block_layout(i, w, 896, t["tile_t"])), idx, w),
+                    "planes gather": (jax.jit(lambda x, s: token_planes(x)[:, s]), xl, lo.slot_token),
+                    "scales": (jax.jit(lambda e: (transpose_scales(e.w1_scale, plane_rows=True),
+                                                  transpose_scales(e.w3_scale, plane_rows=True),
+                                                  transpose_scales(e.w2_scale))), ex),
+                    "combine": (jax.jit(lambda y, lo: dsp.combine(y, lo, n, idx.shape[1], weighted=False)), y, lo)}
+                print("  glue parts: " + ", ".join(f"{name} {device_seconds(f, *a, calls=3) * 1e3:.3f} ms"
+                                                   for name, (f, *a) in parts.items()), flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  mgpu {tuning}: {type(e).__name__}: {str(e).splitlines()[0][:400]}", flush=True)
 
