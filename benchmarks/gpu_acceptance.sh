@@ -3,14 +3,15 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmr (default 1234), e.g. "13", "25", "4"
-# Next (docs/benchmarks.md, "Still to run"): "r" again once the Mosaic GPU path's glue is reduced. Done
-# 2026-12-05 (eighteenth session, H200): "r" (right; 0.85x the Triton path, the glue), "8" (2.41 TB/s, 56% of
+# Next (docs/benchmarks.md, "Still to run"): "r" (the Mosaic GPU path's compiled test, then the new combine
+# timed; if both are good, routed.PREFILL_KERNELS = "mgpu"). Done 2026-12-05 (nineteenth session, H100): "m", "r"
+# (glue 27 -> 12 ms, down's 2 row blocks: 1.14-1.20x the Triton path). Done 2026-12-05 (eighteenth session, H200): "r" (right; 0.85x the Triton path, the glue), "8" (2.41 TB/s, 56% of
 # copy: issue-bound), "0" (split default). Done 2026-12-05 (seventeenth session, H100): "0" (split decode, now the default from
 # N = 32), "c" (the checkpoint branch: slower, reverted), "m" (the one-expert Mosaic GPU GEMM: right, 361 TFLOP/s).
 # Done 2026-12-05 on an H100 (sixteenth session): "2" (prefill target met with both peers), "6" (MoE swap
 # candidates: no gain). "1" is the KDA tests (all 37 passed in 313 s on a cold H200, 2026-12-05).
-# A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (step 0: LIMIT_0a for its tests,
-# LIMIT_0b for its benchmark); step 2's shapes with SHAPES_2.
+# A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (steps 0 and r: LIMIT_0a and
+# LIMIT_ra for their tests, LIMIT_0b and LIMIT_r for the rest); step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
 # knows where the compile time goes.
 set -u
@@ -42,7 +43,10 @@ case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check in
   step 0-kda-decode-bench ${LIMIT_0b:-360} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
     --decode-tunings "$KDA_DECODE_CANDIDATES" ;;
 esac
-case $STEPS in *r*)  # the routed experts on Mosaic GPU against the Triton whole path, 4096 and 16384 tokens
+case $STEPS in *r*)  # the routed experts on Mosaic GPU: compiled through the switch against the pure op (uneven,
+  # empty, one-expert routing), then timed against the Triton whole path at 4096 and 16384 tokens
+  XLA_FLAGS=--xla_gpu_autotune_level=0 step r-moe-mgpu-tests ${LIMIT_ra:-240} \
+    python3 -m pytest -q -rf --tb=short --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_moe_gpu.py -k mosaic
   step r-moe-mgpu-routed ${LIMIT_r:-480} python3 -u tests/gpu/probe_mgpu_routed.py ;;
 esac
 case $STEPS in *1*)  # the references' fp32 GEMMs need no autotuning for a correctness check

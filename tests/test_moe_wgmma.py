@@ -59,11 +59,17 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
 
 @pytest.mark.parametrize("tuning", [{}, {"tile_t": 256, "stages": 2}, {"plane_cols": 32, "stages": 6},
                                     {"tile_t": 256, "stages": 3, "delay": 1},
-                                    {"delay": 1, "persistent": True, "sms": 132}])
+                                    {"delay": 1, "persistent": True, "sms": 132},
+                                    {"x_tk": True, "plane_rows": True}, {"transpose_out": True, "row_blocks": 2},
+                                    {"x_tk": True, "plane_rows": True, "transpose_out": True, "row_blocks": 2,
+                                     "delay": 1, "persistent": True, "sms": 132, "stages": 3}])
 def test_kernel_lowers_for_cuda(tuning):
-    n, k, t = 256, 512, 256
+    """Each layout option (token-major planes, plane-ordered rows, transposed output, 2 row blocks a tile)
+    and tuning lowers for CUDA."""
+    n, k, t = 512, 512, 256
+    planes = (2, t, k // 2) if tuning.get("x_tk") else (2, k // 2, t)
     args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),
-            jax.ShapeDtypeStruct((2, k // 2, t), jnp.bfloat16))
+            jax.ShapeDtypeStruct(planes, jnp.bfloat16))
     hlo = jax.jit(functools.partial(wg.mxfp4_matmul, **tuning)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in hlo
@@ -81,6 +87,9 @@ def test_bad_shapes_are_refused_by_name():
                         delay=1)
     with pytest.raises(ValueError, match="tile_t"):
         wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 256, 100), jnp.bfloat16))
+    with pytest.raises(ValueError, match="N = 256 \\(multiple of 512\\)"):  # 2 row blocks of plane-ordered rows
+        wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 128, 256), jnp.bfloat16), x_tk=True,
+                        plane_rows=True, row_blocks=2)
 
 
 # ------------------------------------------------------------------- the routed experts on Mosaic GPU

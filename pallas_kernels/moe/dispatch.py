@@ -61,9 +61,17 @@ def block_layout(idx: jax.Array, weights: jax.Array, num_experts: int, bm: int) 
 def combine(y_slots: jax.Array, layout: BlockLayout, n: int, k: int, weighted: bool = True) -> jax.Array:
     """Per-slot outputs [T * bm, L] -> [N, L]: each token gathers its k pairs and sums them in top-k order
     (a gather, never a scatter-add: deterministic). weighted: the routing weights are already applied;
-    False applies them to the gathered rows (one pass over the pairs, none over all the slots)."""
-    y = y_slots[layout.slot_of_pair]
-    if not weighted:
-        y = y * layout.slot_weight[layout.slot_of_pair][:, None]
-    y = jnp.where(layout.pair_used[:, None], y, 0.0)
-    return jnp.sum(y.reshape(n, k, -1), axis=1)
+    False applies them to the gathered rows (one pass over the pairs, none over all the slots). Written as
+    k gathers of [N, L] summed, so that XLA makes one fusion reading each pair's row once and writing [N, L]
+    (not a [N * k, L] intermediate)."""
+    slot = layout.slot_of_pair.reshape(n, k)
+    used = layout.pair_used.reshape(n, k)
+    weight = layout.slot_weight[layout.slot_of_pair].reshape(n, k)
+    out = None
+    for j in range(k):
+        y = y_slots[slot[:, j]]
+        if not weighted:
+            y = y * weight[:, j, None]
+        y = jnp.where(used[:, j, None], y, 0.0)
+        out = y if out is None else out + y
+    return out

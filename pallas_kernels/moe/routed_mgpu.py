@@ -4,23 +4,23 @@ transposed orientation end to end (the weights are wgmma's M, because only its A
 registers, where the nibbles are decoded):
 
 1. block-aligned dispatch (`dispatch.block_layout`, tiles of `tile_t` slots, one expert each);
-2. the slots' activations as even/odd K planes [2, L/2, S] (one XLA gather + transpose);
-3. gate+up: h^T [F, S] = SiTU(W1[e] x^T, W3[e] x^T) in one kernel (two accumulators per warpgroup, the
-   SiTU epilogue in registers), in the activation dtype as the reference rounds it;
-4. h^T's even and odd rows are down's planes (a reshape and a transpose by XLA);
-5. down: y^T [L, S] = W2[e] h^T in fp32;
-6. the combine: y^T transposed, times each slot's routing weight, gathered per token in top-k order.
+2. the tokens' activations as even/odd K planes, token-major [2, N, L/2] (`token_planes`, one XLA pass over the
+   tokens), and the slots' planes [2, S, L/2] a row gather of them;
+3. gate+up: h^T [F, S] = SiTU(W1[e] x^T, W3[e] x^T) in one kernel (two accumulators per warpgroup, the SiTU
+   epilogue in registers), in the activation dtype as the reference rounds it, its rows in plane order
+   (`plane_rows`), so that h^T is down's planes [2, F/2, S] as it is;
+4. down: y [S, L] = (W2[e] h^T)^T in fp32, two 128-row blocks per tile, each stored transposed from registers;
+5. the combine: each token gathers its k slots' rows of y, times the routing weights, summed in top-k order.
 
-Steps 2, 4 and 6 are XLA passes over the slots (S of them, unused tiles included), and the E8M0 scales are
-transposed per call ([E, N, K/32] -> [E, K/32, N], 3% of the packed bytes); both are named costs for the
-benchmark to show. Columns of unused tiles are never written nor read back. GPU only: the warp-specialised
-pipeline has no interpreter rule (tests/test_moe_wgmma.py checks this glue on the CPU with the kernel's
-pure-JAX reference, `reference_matmul_t`, in its place).
+Step 2's gather and the combine are XLA passes, and the E8M0 scales are transposed per call ([E, N, K/32] ->
+[E, K/32, N], 3% of the packed bytes). Columns of unused tiles are never written nor read back. GPU only: the
+warp-specialised pipeline has no interpreter rule (tests/test_moe_wgmma.py checks this glue on the CPU with the
+kernel's pure-JAX reference, `reference_matmul_t`, in its place; tests/gpu/test_moe_gpu.py the compiled path).
 
-On the H200 (2026-12-05, 16384 tokens, 896 experts, top-16) it equals the Triton path to 2.1e-4 and its two
-kernels take 58.8 ms against the Triton path's 72.9 ms whole, but the glue (steps 2, 4, 6 over 375936 slots,
-43% of them padding of the static worst case) takes 27 ms more, so the whole is 0.85x the Triton path's speed
-and `routed.PREFILL_KERNELS` stays "triton".
+On the H100 (2026-12-05, nineteenth session, docs/benchmarks.md; 896 experts, top-16, K3 widths) it equals the
+Triton path to 2.1e-4 and runs 1.20x its speed at 4096 tokens (21.4 against 25.6 ms) and 1.14-1.16x at 16384
+(62.8-64.5 against 73.1-73.5 ms). `routed.PREFILL_KERNELS` stays "triton" until the compiled test through the
+switch has passed on a GPU (and the k-gather combine, written since, has been timed).
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ from kimik3_jax.ops.common import situ
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, token_planes, transpose_scales
 
-# tile_t: slots per tile (the dispatch's bm, wgmma's N). The best whole path on the H200 at K3's widths and
-# 16384 tokens (tests/gpu/probe_mgpu_routed.py, 2026-12-05): delay 1, persistent, 3 stages, 85.6 ms (gate+up
-# 37.5 ms, down 21.3 ms); tile_t 256 runs out of shared memory at 3 stages and spills at 2 (gate+up 332 ms).
-TUNING = dict(tile_t=128, plane_cols=64, stages=3, delay=1, persistent=True)
+# tile_t: slots per tile (the dispatch's bm, wgmma's N); row_blocks: (gate+up's, down's) 128-row blocks per
+# tile. The best on the H200 at K3's widths and 16384 tokens (tests/gpu/probe_mgpu_routed.py, eighteenth
+# session): delay 1, persistent, 3 stages; tile_t 256 runs out of shared memory at 3 stages and spills at 2
+# (gate+up 332 ms). Down with 2 row blocks (H100, nineteenth): 16.8-17.1 ms against 23.8-24.0 with 1; gate+up
+# keeps 1 (2 matrices are already 2 accumulators a warpgroup); 4 row blocks exceed TMA's 256-row box.
+TUNING = dict(tile_t=128, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2))
 
 
 def fits(latent: int, width: int, tuning=None) -> bool:
@@ -46,8 +48,9 @@ def fits(latent: int, width: int, tuning=None) -> bool:
     both planes: 256; latent for down) and each reduction's planes (latent / 2, width / 2) in blocks of
     plane_cols."""
     t = dict(TUNING, **(tuning or {}))
+    gate_up_rb, down_rb = t["row_blocks"]
     return all(n % rows == 0 and (k // 2) % t["plane_cols"] == 0 and k % 2 == 0
-               for n, k, rows in ((width, latent, 256), (latent, width, 128)))
+               for n, k, rows in ((width, latent, 256 * gate_up_rb), (latent, width, 128 * down_rb)))
 
 
 def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
@@ -79,6 +82,7 @@ def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=
     layer -> [N, L] float32. `tuning`: overrides of TUNING; `matmul_t`: the grouped GEMM (default the
     Mosaic GPU kernel; tests pass `reference_matmul_t`)."""
     t = dict(TUNING, **(tuning or {}))
+    gate_up_rb, down_rb = t.pop("row_blocks")
     if jnp.dtype(xl.dtype) != jnp.bfloat16:  # the kernel's shapes are checked by the kernel, by name
         raise ValueError(f"routed_experts_mgpu: activations must be bfloat16, got {jnp.dtype(xl.dtype)}")
     matmul_t = functools.partial(matmul_t or grouped_mxfp4_matmul_t, **t)
@@ -90,7 +94,7 @@ def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=
     h_planes = matmul_t(layout.tile_expert, (experts.w1_packed, experts.w3_packed),
                         tuple(transpose_scales(s, plane_rows=True) for s in (experts.w1_scale, experts.w3_scale)),
                         planes, epilogue=lambda a1, a3: situ(a1, a3, beta, linear_beta), out_dtype=xl.dtype,
-                        x_tk=True, plane_rows=True)  # [F, S] = down's planes [2, F/2, S]
+                        x_tk=True, plane_rows=True, row_blocks=gate_up_rb)  # [F, S] = down's planes [2, F/2, S]
     y = matmul_t(layout.tile_expert, (experts.w2_packed,), (transpose_scales(experts.w2_scale),),
-                 h_planes.reshape(2, width // 2, slots), transpose_out=True)  # [S, L] fp32
+                 h_planes.reshape(2, width // 2, slots), transpose_out=True, row_blocks=down_rb)  # [S, L] fp32
     return dsp.combine(y, layout, n, k, weighted=False)

@@ -14,7 +14,7 @@ How the decode avoids any register shuffles (offline lowering on jax 0.10.2, 202
 - K is split into its even and odd halves ("planes"): a GEMM is unchanged when one permutation of K is
   applied to both operands, so W's low nibbles meet x's even columns and the high nibbles the odd ones.
   Each plane is an elementwise op on the packed bytes; `x_planes` ([2, K/2, T] bf16) is x's even and odd
-  columns, transposed, made once by XLA.
+  columns, transposed, made once by XLA (or `token_planes`, [2, T, K/2], read through a transposed view).
 - The weights are wgmma's A operand, in registers; the activation planes are B, in shared memory.
 - Each wgmma takes 16 plane columns (32 k of the original order): exactly one E8M0 block, so the scale is
   one factor per output row, a row broadcast in the WGMMA layout. (A 128-byte swizzle would make each wgmma
@@ -72,13 +72,13 @@ def decode(nibbles, factor):
 
 
 def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue,
-            persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool):
+            persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
     pipeline buffers, so that a tile's first loads overlap the previous tile's epilogue."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
-    n_tile = 2 * ROWS_PER_WG
+    n_tile = 2 * ROWS_PER_WG * row_blocks  # rows per tile: each compute warpgroup takes 64 of each 128
     num_experts, half_k = w_gmem[0].shape[0], w_gmem[0].shape[-1]
     n = s_gmem[0].shape[-1]
     subs = plane_cols // PLANE_STEP
@@ -86,18 +86,19 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
     def body(_, *smem):
         w_smem, s_smem, (xlo_smem, xhi_smem), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
         wg = lax.axis_index("wg")
-        rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
         for i in range(subs):
             cols = pl.ds(i * PLANE_STEP, PLANE_STEP)
-            for m in range(mats):
-                packed = w_smem[m][rows, cols].astype(jnp.int16)  # [64, 16]: 8-bit values take bit ops only
-                s = s_smem[m][i, rows].astype(jnp.int16)  # [64]: this block's scale per row
-                factor = lax.bitcast_convert_type(scale_bits(s), jnp.bfloat16)  # 2^(s - 127)
-                factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
-                for nib, x_smem in ((packed & 0xF, xlo_smem), ((packed >> 4) & 0xF, xhi_smem)):
-                    b = plgpu.transpose_ref(x_smem.at[:, cols], (1, 0)) if x_tk else x_smem.at[cols]
-                    plgpu.wgmma(accs[m], decode(nib, factor), b)
-        plgpu.wgmma_wait(delay * subs * 2 * mats)  # with delay 1, this step's wgmmas may still run
+            for j in range(row_blocks):
+                rows = pl.ds(j * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)
+                for m in range(mats):
+                    packed = w_smem[m][rows, cols].astype(jnp.int16)  # [64, 16]: 8-bit values take bit ops only
+                    s = s_smem[m][i, rows].astype(jnp.int16)  # [64]: this block's scale per row
+                    factor = lax.bitcast_convert_type(scale_bits(s), jnp.bfloat16)  # 2^(s - 127)
+                    factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
+                    for nib, x_smem in ((packed & 0xF, xlo_smem), ((packed >> 4) & 0xF, xhi_smem)):
+                        b = plgpu.transpose_ref(x_smem.at[:, cols], (1, 0)) if x_tk else x_smem.at[cols]
+                        plgpu.wgmma(accs[j * mats + m], decode(nib, factor), b)
+        plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # with delay 1, this step's wgmmas may still run
         return accs
 
     def pipeline_for(n_idx, t_idx):
@@ -105,15 +106,16 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
             def scope(*accs):
                 eval_pipeline(accs)
                 wg = lax.axis_index("wg")
-                out = epilogue(*(a[...] for a in accs)).astype(out_gmem.dtype)
-                rows = pl.ds(n_idx * n_tile + wg * ROWS_PER_WG, ROWS_PER_WG)
                 toks = pl.ds(t_idx * tile_t, tile_t)
-                if transpose_out:
-                    out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-                    plgpu.transpose_ref(out_gmem.at[toks, rows], (1, 0))[...] = out
-                else:
-                    out_gmem.at[rows, toks][...] = out
-            pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32) for _ in range(mats)))
+                for j in range(row_blocks):
+                    out = epilogue(*(a[...] for a in accs[j * mats:(j + 1) * mats])).astype(out_gmem.dtype)
+                    rows = pl.ds(n_idx * n_tile + j * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)
+                    if transpose_out:
+                        out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+                        plgpu.transpose_ref(out_gmem.at[toks, rows], (1, 0))[...] = out
+                    else:
+                        out_gmem.at[rows, toks][...] = out
+            pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32) for _ in range(mats * row_blocks)))
 
         w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS,
                                  delay_release=delay)
@@ -173,7 +175,7 @@ def token_planes(x):
 def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
                           tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
                           persistent: bool = False, sms: int | None = None, x_tk: bool = False,
-                          plane_rows: bool = False, transpose_out: bool = False):
+                          plane_rows: bool = False, transpose_out: bool = False, row_blocks: int = 1):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
@@ -185,6 +187,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     plane_rows: the output's rows in plane order, row p * N/2 + i = weight row 2 i + p, so that out [N, S] is
     the next GEMM's [2, N/2, S] planes with no pass between (scales_t from `transpose_scales(..., plane_rows=
     True)`, in the same order). transpose_out: out is [S, N] (each block stored transposed from registers).
+    row_blocks: 128-row blocks per tile (each compute warpgroup holds mats x row_blocks accumulators), so that
+    each activation tile in shared memory feeds more rows (2 for one matrix: as many accumulators as w1+w3).
 
     N a multiple of 128 (of 256 with plane_rows), S of tile_t (<= 256), K/2 of plane_cols (a multiple of
     16). delay: 0 waits for each pipeline step's wgmmas before its shared-memory stage is released; 1
@@ -195,9 +199,9 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     mats = len(packed)
     num_experts, n, half_k = packed[0].shape
     t = planes.shape[1 if x_tk else 2]
-    if n % (2 * ROWS_PER_WG * (1 + plane_rows)) or t % tile_t or half_k % plane_cols or plane_cols % PLANE_STEP \
-            or tile_t > 256:
-        raise ValueError(f"mxfp4_matmul: N = {n} (multiple of {256 if plane_rows else 128}), T = {t} (of tile_t = "
+    rows = 2 * ROWS_PER_WG * row_blocks * (1 + plane_rows)
+    if n % rows or t % tile_t or half_k % plane_cols or plane_cols % PLANE_STEP or tile_t > 256:
+        raise ValueError(f"mxfp4_matmul: N = {n} (multiple of {rows}), T = {t} (of tile_t = "
                          f"{tile_t} <= 256), K/2 = {half_k} (of plane_cols = {plane_cols}, a multiple of "
                          f"{PLANE_STEP})")
     if delay not in (0, 1) or stages <= delay:
@@ -217,11 +221,11 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
         packed = tuple(p.reshape(num_experts, n // 2, 2, half_k) for p in packed)
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
                                delay=delay, epilogue=epilogue, persistent=persistent, x_tk=x_tk,
-                               plane_rows=plane_rows, transpose_out=transpose_out)
+                               plane_rows=plane_rows, transpose_out=transpose_out, row_blocks=row_blocks)
     if persistent:
         grid, names = (sms or _sm_count(),), ("sm",)
     else:
-        grid, names = (n // (2 * ROWS_PER_WG), t // tile_t), ("n", "t")
+        grid, names = (n // (2 * ROWS_PER_WG * row_blocks), t // tile_t), ("n", "t")
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((t, n) if transpose_out else (n, t), out_dtype), grid=grid,
         grid_names=names, num_threads=3, thread_name="wg",

@@ -45,7 +45,7 @@ def layouts(rng, t):
     the default tuning and the routed path's, against the same float32 product rearranged as each promises."""
     packed, scales, x = case(rng, t, 119, 121)
     want = dequantize_np(packed, scales, np.float32) @ np.asarray(x, np.float32).T
-    for opts in ({"x_tk": True}, {"plane_rows": True}, {"transpose_out": True},
+    for opts in ({"x_tk": True}, {"plane_rows": True}, {"transpose_out": True}, {"row_blocks": 2},
                  {"x_tk": True, "plane_rows": True, "transpose_out": True, "delay": 1, "persistent": True,
                   "stages": 3}):
         try:

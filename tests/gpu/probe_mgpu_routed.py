@@ -48,24 +48,26 @@ def main():
                 err = float(np.max(np.abs(got - want) / np.where(scale > 0, scale, 1)))
                 s = device_seconds(f, xl, idx, w, ex, calls=3)
                 t = dict(rm.TUNING, **tuning)
+                gate_up_rb, rb = t.pop("row_blocks")
                 lo = dsp.block_layout(idx, w, 896, t["tile_t"])
                 planes = jax.jit(lambda x, s: token_planes(x)[:, s])(xl, lo.slot_token)
                 gu = jax.jit(lambda te, p, e: grouped_mxfp4_matmul_t(
                     te, (e.w1_packed, e.w3_packed),
                     tuple(transpose_scales(sc, plane_rows=True) for sc in (e.w1_scale, e.w3_scale)), p,
                     epilogue=lambda a1, a3: situ(a1, a3, BETA, LINEAR_BETA), out_dtype=jnp.bfloat16, x_tk=True,
-                    plane_rows=True, **t))
+                    plane_rows=True, row_blocks=gate_up_rb, **t))
                 s_gu = device_seconds(gu, lo.tile_expert, planes, ex, calls=3)
-                h_planes = jnp.zeros((2, width // 2, planes.shape[1]), jnp.bfloat16)
+                h_planes = gu(lo.tile_expert, planes, ex).reshape(2, width // 2, planes.shape[1])
                 dn = [jax.jit(lambda te, p, e, o=o: grouped_mxfp4_matmul_t(
-                    te, (e.w2_packed,), (transpose_scales(e.w2_scale),), p, transpose_out=o, **t)) for o in (True, False)]
+                    te, (e.w2_packed,), (transpose_scales(e.w2_scale),), p, transpose_out=True, row_blocks=o,
+                    **t)) for o in (rb, max(1, rb // 2))]
                 s_dn, s_dn_t = (device_seconds(d, lo.tile_expert, h_planes, ex, calls=3) for d in dn)
                 print(f"  mgpu {tuning}: whole {s * 1e3:.3f} ms ({flops / s / 1e12:.0f} TFLOP/s, "
                       f"{s_tri / s:.2f}x triton), rel. max error vs triton {err:.1e}; gate+up kernel "
                       f"{s_gu * 1e3:.3f} ms ({flops * 2 / 3 / s_gu / 1e12:.0f} TFLOP/s), down kernel {s_dn * 1e3:.3f} ms "
-                      f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s; {s_dn_t * 1e3:.3f} ms storing y^T), glue "
+                      f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s; {s_dn_t * 1e3:.3f} ms with {max(1, rb // 2)} row blocks), glue "
                       f"{(s - s_gu - s_dn) * 1e3:.3f} ms; slots {planes.shape[1]}", flush=True)
-                y = jnp.zeros((planes.shape[1], 2 * half), jnp.float32)
+                y = dn[0](lo.tile_expert, h_planes, ex)
                 parts = {
                     "dispatch": (jax.jit(lambda i, w: dsp.block_layout(i, w, 896, t["tile_t"])), idx, w),
                     "planes gather": (jax.jit(lambda x, s: token_planes(x)[:, s]), xl, lo.slot_token),
@@ -73,6 +75,20 @@ def main():
                                                   transpose_scales(e.w3_scale, plane_rows=True),
                                                   transpose_scales(e.w2_scale))), ex),
                     "combine": (jax.jit(lambda y, lo: dsp.combine(y, lo, n, idx.shape[1], weighted=False)), y, lo)}
+                def upto(stage):  # the path's first stages in one jit: their marginal costs in place
+                    def f(x, i, w, e):
+                        layout = dsp.block_layout(i, w, 896, t["tile_t"])
+                        p = token_planes(x)[:, layout.slot_token]
+                        if stage == 0:
+                            return p
+                        h = gu(layout.tile_expert, p, e)
+                        if stage == 1:
+                            return h
+                        return dn[0](layout.tile_expert, h.reshape(2, width // 2, -1), e)
+                    return jax.jit(f)
+                print("  in place: " + ", ".join(f"{name} {device_seconds(upto(i), xl, idx, w, ex, calls=3) * 1e3:.3f} ms"
+                                                 for i, name in enumerate(("dispatch+planes", "+gate+up", "+down"))),
+                      flush=True)
                 print("  glue parts: " + ", ".join(f"{name} {device_seconds(f, *a, calls=3) * 1e3:.3f} ms"
                                                    for name, (f, *a) in parts.items()), flush=True)
             except Exception as e:  # noqa: BLE001
