@@ -4,7 +4,7 @@
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): "r" (the Mosaic GPU path's compiled test, then the new combine
-# timed; if both are good, routed.PREFILL_KERNELS = "mgpu"). Done 2026-12-05 (nineteenth session, H100): "m", "r"
+# and the quick decode timed; if both are good, routed.PREFILL_KERNELS = "mgpu"), "m" (the quick decode right). Done 2026-12-05 (nineteenth session, H100): "m", "r"
 # (glue 27 -> 12 ms, down's 2 row blocks: 1.14-1.20x the Triton path). Done 2026-12-05 (eighteenth session, H200): "r" (right; 0.85x the Triton path, the glue), "8" (2.41 TB/s, 56% of
 # copy: issue-bound), "0" (split default). Done 2026-12-05 (seventeenth session, H100): "0" (split decode, now the default from
 # N = 32), "c" (the checkpoint branch: slower, reverted), "m" (the one-expert Mosaic GPU GEMM: right, 361 TFLOP/s).

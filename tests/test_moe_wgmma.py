@@ -38,6 +38,20 @@ def test_decode_bits_are_exact_for_every_nibble_and_scale_byte():
     assert np.isnan(_bf16(wg.scale_bits(jnp.int16(255))))
 
 
+def test_quick_decode_is_exact_up_to_its_largest_scale_byte():
+    """The one-multiply decode: every nibble's bits times the quick factor of every scale byte 0..QUICK_MAX
+    is the e2m1 value times 2^(s - 127) (each product a bf16, subnormals included: float64 here, as the
+    GPU's bf16 multiply keeps them); the byte above QUICK_MAX leaves bf16's finite range."""
+    values = _bf16(wg.e2m1_bits(jnp.arange(16, dtype=jnp.int16)))
+    s = np.arange(0, wg.QUICK_MAX + 1)
+    factor = _bf16(jax.jit(wg.quick_scale_bits)(jnp.asarray(s, jnp.int16)))
+    got = values[None, :] * factor[:, None]
+    np.testing.assert_array_equal(got, E2M1_VALUES[None, :].astype(np.float64) * 2.0 ** (s[:, None] - 127.0))
+    bf16 = got.astype(ml_dtypes.bfloat16).astype(np.float64)  # each product is a bf16 value: no rounding
+    np.testing.assert_array_equal(bf16, got)
+    assert not np.isfinite(_bf16(wg.quick_scale_bits(jnp.int16(wg.QUICK_MAX + 1))))
+
+
 def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
     """The kernel's algebra: low nibbles against x's even columns, high against the odd ones, scale block b
     covering plane columns 16b..16b+15; against the dequantised weights times x."""
@@ -62,7 +76,8 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
                                     {"delay": 1, "persistent": True, "sms": 132},
                                     {"x_tk": True, "plane_rows": True}, {"transpose_out": True, "row_blocks": 2},
                                     {"x_tk": True, "plane_rows": True, "transpose_out": True, "row_blocks": 2,
-                                     "delay": 1, "persistent": True, "sms": 132, "stages": 3}])
+                                     "delay": 1, "persistent": True, "sms": 132, "stages": 3},
+                                    {"quick": True, "row_blocks": 2}])
 def test_kernel_lowers_for_cuda(tuning):
     """Each layout option (token-major planes, plane-ordered rows, transposed output, 2 row blocks a tile)
     and tuning lowers for CUDA."""
@@ -156,9 +171,11 @@ def test_routed_mgpu_lowers_for_cuda():
                               for k, v in _expert_shapes(num, width, latent).items()})
     args = (jax.ShapeDtypeStruct((n, latent), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int32),
             jax.ShapeDtypeStruct((n, k), jnp.float32), experts)
-    f = jax.jit(lambda x, i, w, ex: rm.routed_experts_mgpu(x, i, w, ex, BETA, LINEAR_BETA, tuning={"sms": 132}))
-    hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("mosaic_gpu") >= 2
+    for scale_max in (None, 120):  # the exact decode and the quick one
+        f = jax.jit(lambda x, i, w, ex: rm.routed_experts_mgpu(x, i, w, ex, BETA, LINEAR_BETA, tuning={"sms": 132},
+                                                               scale_max=scale_max))
+        hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert hlo.count("mosaic_gpu") >= 2
     route = (jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), jnp.float32))
     with pytest.raises(ValueError, match="N = 64 \\(multiple of 256\\)"):
         small = ExpertParams(**{k: jnp.zeros(v, jnp.uint8) for k, v in _expert_shapes(1, 64, 64).items()})
@@ -175,14 +192,14 @@ def test_prefill_kernels_switch_picks_mosaic_gpu_only_for_the_prefill_regime_on_
     from test_moe_kernels import BETA, LINEAR_BETA, RTOL
     from pallas_kernels.moe import routed
     calls = []
-    monkeypatch.setattr(rm, "routed_experts_mgpu", lambda *a, **kw: calls.append(a) or "mgpu")
+    monkeypatch.setattr(rm, "routed_experts_mgpu", lambda *a, **kw: calls.append(kw) or "mgpu")
     spec = lambda n, latent=256, width=256: (  # noqa: E731
         jnp.zeros((n, latent), jnp.bfloat16), jnp.zeros((n, 4), jnp.int32), jnp.ones((n, 4), jnp.float32),
         ExpertParams(**{k: jnp.zeros(v, jnp.uint8) for k, v in _expert_shapes(4, width, latent).items()}))
     prefill_n = routed.DECODE_MAX_ROWS * 4 // 4 + 1  # pairs above the decode regime's for 4 experts
     assert routed.routed_experts(*spec(prefill_n), BETA, LINEAR_BETA, interpret=False,
-                                 prefill_kernels="mgpu") == "mgpu"
-    assert len(calls) == 1
+                                 prefill_kernels="mgpu", scale_max=120) == "mgpu"
+    assert calls == [{"scale_max": 120}]  # the experts' largest scale byte reaches the kernels' decode choice
     assert not rm.fits(192, 256) and rm.fits(256, 256)
     with pytest.raises(ValueError, match="prefill_kernels must be"):
         routed.routed_experts(*spec(prefill_n), BETA, LINEAR_BETA, prefill_kernels="cutlass")

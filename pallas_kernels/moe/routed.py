@@ -109,7 +109,7 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
         raise ValueError(f"routed_experts kernel: prefill_kernels must be 'triton' or 'mgpu', got {prefill_kernels!r}")
     if (config is None and chosen is PREFILL and prefill_kernels == "mgpu" and not resolve_interpret(interpret)
             and mgpu.fits(2 * half, width)):
-        return mgpu.routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta)
+        return mgpu.routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, scale_max=scale_max)
     cfg = fit(chosen, 2 * half, width)
     layout = dsp.block_layout(idx, weights, num_experts, cfg.bm)
     h = gate_up(xl, layout.tile_expert, layout.slot_token, experts.w1_packed, experts.w1_scale,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from kimik3_jax.mxfp4 import dequantize
 from kimik3_jax.ops.common import situ
 from pallas_kernels.moe import dispatch as dsp
-from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, token_planes, transpose_scales
+from pallas_kernels.moe.wgmma_mxfp4 import QUICK_MAX, grouped_mxfp4_matmul_t, token_planes, transpose_scales
 
 # tile_t: slots per tile (the dispatch's bm, wgmma's N); row_blocks: (gate+up's, down's) 128-row blocks per
 # tile. The best on the H200 at K3's widths and 16384 tokens (tests/gpu/probe_mgpu_routed.py, eighteenth
@@ -77,11 +77,14 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
     return out.T if transpose_out else out
 
 
-def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=None, matmul_t=None):
+def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=None, matmul_t=None,
+                        scale_max=None):
     """Same contract as `kimik3_jax.ops.moe.routed_experts` for bf16 xl [N, L] and packed experts of one
     layer -> [N, L] float32. `tuning`: overrides of TUNING; `matmul_t`: the grouped GEMM (default the
-    Mosaic GPU kernel; tests pass `reference_matmul_t`)."""
-    t = dict(TUNING, **(tuning or {}))
+    Mosaic GPU kernel; tests pass `reference_matmul_t`); `scale_max`: the experts' largest scale byte when
+    known (`Runtime.expert_scale_max`): up to QUICK_MAX the kernels take the one-multiply decode."""
+    quick = scale_max is not None and scale_max <= QUICK_MAX
+    t = {**TUNING, "quick": quick, **(tuning or {})}
     gate_up_rb, down_rb = t.pop("row_blocks")
     if jnp.dtype(xl.dtype) != jnp.bfloat16:  # the kernel's shapes are checked by the kernel, by name
         raise ValueError(f"routed_experts_mgpu: activations must be bfloat16, got {jnp.dtype(xl.dtype)}")

@@ -21,8 +21,9 @@ How the decode avoids any register shuffles (offline lowering on jax 0.10.2, 202
   take 64 columns and need the scale broadcast per 16 columns; the activations use a 32-byte swizzle.)
 - e2m1 to bf16 with integer ops: the sign to bit 15 and the three exponent/mantissa bits to bits 6-8 give
   the value times 2^-126 as a bf16 bit pattern (subnormals included), then two exact multiplies by powers of
-  two: 2^126 and 2^(s - 127). (One multiply by 2^(s - 1) would do for s <= 128, as the Triton kernels' quick
-  decoder does; the exact form is the first step.)
+  two: 2^126 and 2^(s - 127); or (`quick`, for scale bytes s <= 128 only, as the Triton kernels' quick
+  decoder) one multiply by 2^(s - 1). The routed path takes the quick one when the weights' largest scale
+  byte is known to allow it (not yet timed on a GPU: written in the twentieth session, with no device).
 
 Grouped over experts (`grouped_mxfp4_matmul_t`: each token tile's expert from the dispatch's table), it is the
 prefill regime of `pallas_kernels/moe/routed_mgpu.py`, selected by `routed.PREFILL_KERNELS = "mgpu"`. The
@@ -56,23 +57,36 @@ def scale_bits(s):
     return (s << 7) | (((s == 0) | (s == 255)).astype(s.dtype) << 6)
 
 
+QUICK_MAX = 128  # the largest scale byte the quick decode takes: 2^(s - 1) is a finite bf16 up to s = 128
+
+
+def quick_scale_bits(s):
+    """E8M0 bytes 0..QUICK_MAX (int16) -> the bf16 bit pattern of 2^(s - 1), the quick decode's one factor
+    (2^-126 from `e2m1_bits` times 2^(s - 1) = 2^(s - 127), byte 0 included). Bytes above QUICK_MAX give wrong
+    values, unchecked: the caller knows the weights' largest byte (`Runtime.expert_scale_max`)."""
+    return (s + 126) << 7
+
+
 def e2m1_bits(nibbles):
     """e2m1 nibbles (int16, 0..15) -> the bf16 bit pattern of their value times 2^-126: the sign to bit 15,
     the two exponent bits and the mantissa bit to bits 6-8. Nibbles 1 and 9 (+-0.5) give bf16 subnormals."""
     return ((nibbles & 0x8) << 12) | ((nibbles & 0x7) << 6)
 
 
-def decode(nibbles, factor):
+def decode(nibbles, factor, quick: bool = False):
     """e2m1 nibbles (int16) times a bf16 factor broadcast to their shape: two exact multiplies, by 2^126 and
-    by the factor. The first one's operand is subnormal for +-0.5, so this needs a multiply that keeps bf16
-    subnormals, as the GPU's bf16 multiplies do (the Triton kernels' quick decoder relies on the same, and
-    was bit-exact on the H200); XLA's CPU backend flushes them (tests/test_moe_wgmma.py checks the bits)."""
-    value = lax.bitcast_convert_type(e2m1_bits(nibbles), jnp.bfloat16) * jnp.asarray(2.0 ** 126, jnp.bfloat16)
+    by the factor (`scale_bits`), or with `quick` one, by the factor from `quick_scale_bits`. The operand is
+    subnormal for +-0.5, so this needs a multiply that keeps bf16 subnormals, as the GPU's bf16 multiplies do
+    (the Triton kernels' quick decoder relies on the same, and was bit-exact on the H200); XLA's CPU backend
+    flushes them (tests/test_moe_wgmma.py checks the bits)."""
+    value = lax.bitcast_convert_type(e2m1_bits(nibbles), jnp.bfloat16)
+    if not quick:
+        value = value * jnp.asarray(2.0 ** 126, jnp.bfloat16)
     return value * factor
 
 
 def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue,
-            persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int):
+            persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int, quick: bool):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
@@ -93,11 +107,11 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
                 for m in range(mats):
                     packed = w_smem[m][rows, cols].astype(jnp.int16)  # [64, 16]: 8-bit values take bit ops only
                     s = s_smem[m][i, rows].astype(jnp.int16)  # [64]: this block's scale per row
-                    factor = lax.bitcast_convert_type(scale_bits(s), jnp.bfloat16)  # 2^(s - 127)
+                    factor = lax.bitcast_convert_type((quick_scale_bits if quick else scale_bits)(s), jnp.bfloat16)
                     factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
                     for nib, x_smem in ((packed & 0xF, xlo_smem), ((packed >> 4) & 0xF, xhi_smem)):
                         b = plgpu.transpose_ref(x_smem.at[:, cols], (1, 0)) if x_tk else x_smem.at[cols]
-                        plgpu.wgmma(accs[j * mats + m], decode(nib, factor), b)
+                        plgpu.wgmma(accs[j * mats + m], decode(nib, factor, quick), b)
         plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # with delay 1, this step's wgmmas may still run
         return accs
 
@@ -175,7 +189,8 @@ def token_planes(x):
 def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
                           tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
                           persistent: bool = False, sms: int | None = None, x_tk: bool = False,
-                          plane_rows: bool = False, transpose_out: bool = False, row_blocks: int = 1):
+                          plane_rows: bool = False, transpose_out: bool = False, row_blocks: int = 1,
+                          quick: bool = False):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
@@ -189,6 +204,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     True)`, in the same order). transpose_out: out is [S, N] (each block stored transposed from registers).
     row_blocks: 128-row blocks per tile (each compute warpgroup holds mats x row_blocks accumulators), so that
     each activation tile in shared memory feeds more rows (2 for one matrix: as many accumulators as w1+w3).
+    quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked).
 
     N a multiple of 128 (of 256 with plane_rows), S of tile_t (<= 256), K/2 of plane_cols (a multiple of
     16). delay: 0 waits for each pipeline step's wgmmas before its shared-memory stage is released; 1
@@ -221,7 +237,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
         packed = tuple(p.reshape(num_experts, n // 2, 2, half_k) for p in packed)
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
                                delay=delay, epilogue=epilogue, persistent=persistent, x_tk=x_tk,
-                               plane_rows=plane_rows, transpose_out=transpose_out, row_blocks=row_blocks)
+                               plane_rows=plane_rows, transpose_out=transpose_out, row_blocks=row_blocks,
+                               quick=quick)
     if persistent:
         grid, names = (sms or _sm_count(),), ("sm",)
     else:
