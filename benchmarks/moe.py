@@ -4,7 +4,9 @@
 
 Per token count (uniform top-16 of 896 routing): our kernels (gate+up with SiTU, down with routing weights,
 and the whole `routed_experts` incl. dispatch and combine) as TB/s of the active experts' MXFP4 bytes and
-TFLOP/s of dequantised bf16 math; a diagnostic run of the same kernels with the decode replaced by a bare
+TFLOP/s of dequantised bf16 math; at prefill token counts on the GPU also the Mosaic GPU prefill path
+(`routed_mgpu`: its two kernels alone and the whole path, against the Triton whole path and checked against
+the capacity einsum; --no-mgpu leaves it out); a diagnostic run of the same kernels with the decode replaced by a bare
 reinterpretation of the bytes (wrong values, same reads: the gap is the decode's ALU cost) and with
 decode="exact" (the longer decode of the same bits; the default is "asm1"), both at
 16, 512 and 16384 tokens; peers in the
@@ -46,6 +48,7 @@ from kimik3_jax.ops.moe import routed_experts
 from kimik3_jax.params import ExpertParams
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed as kern
+from pallas_kernels.moe import routed_mgpu as rm
 from pallas_kernels.moe.kernels import TileConfig, Tiles, down, gate_up
 from timing import device_seconds  # benchmarks/timing.py (this script's directory is on sys.path)
 
@@ -219,6 +222,26 @@ def measure_kernels(ex, n, cfg, decode=kern.DEFAULT_DECODE):
             "whole_s": timeit(whole, xl, idx, w, ex)}
 
 
+@cache
+def mgpu_fn(scale_max):
+    """The Mosaic GPU prefill path, whole and jitted, as the model runs it (`Runtime.expert_scale_max` given)."""
+    return jax.jit(lambda x, i, ww, ex: rm.routed_experts_mgpu(x, i, ww, ex, BETA, LINEAR_BETA, scale_max=scale_max))
+
+
+def measure_mgpu(ex, n, scale_max):
+    """The Mosaic GPU prefill path (`routed_mgpu`, TUNING) at n tokens: its two kernels alone on one dispatch,
+    and the whole path (dispatch, planes, kernels, combine)."""
+    xl, idx, w = routing(n, n)
+    path = rm.stages(scale_max=scale_max)
+    lo = jax.jit(lambda i, ww: dsp.block_layout(i, ww, E, path.tile_t))(idx, w)
+    planes = jax.jit(path.planes)(xl, lo.slot_token)
+    gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
+    h_t = gu(lo.tile_expert, planes, ex)
+    return {"gate_up_s": timeit(gu, lo.tile_expert, planes, ex), "down_s": timeit(jax.jit(path.down), lo.tile_expert,
+                                                                                   h_t, ex),
+            "whole_s": timeit(mgpu_fn(scale_max), xl, idx, w, ex)}
+
+
 def record_check(tokens, vs, got, want):
     err, finite = rel_err(got, want)
     RESULTS["checks"].append({"tokens": tokens, "vs": vs, "max_rel_err": err, "finite": finite})
@@ -242,6 +265,9 @@ def main():
                          'fields}, "down": {..}} (default: the regime\'s tiles), "decode": a DECODERS name}')
     ap.add_argument("--ragged-full", action="store_true",
                     help="also try lax.ragged_dot with all 896 experts (ANCHORS: it does not compile there)")
+    ap.add_argument("--no-mgpu", action="store_true",
+                    help="leave out the Mosaic GPU prefill path's rows (timed by default at prefill token counts on "
+                         "the GPU, when its kernels take the widths)")
     ap.add_argument("--small", action="store_true", help="tiny widths: a dry run of the script on the CPU")
     args = ap.parse_args()
     if args.small:
@@ -263,7 +289,10 @@ def main():
     RESULTS["copy_tb_s"] = copy_bandwidth(2 ** 20 if args.small else 2 ** 30)
     log("copy bandwidth TB/s", RESULTS["copy_tb_s"])
     ex = jax.block_until_ready(_random_experts(jax.random.PRNGKey(0), E))
-    log("experts generated")
+    scale_max = max(int(jnp.max(s)) for s in (ex.w1_scale, ex.w3_scale, ex.w2_scale))  # as Runtime.expert_scale_max
+    RESULTS["meta"]["expert_scale_max"] = scale_max
+    mgpu = not args.no_mgpu and jax.devices()[0].platform == "gpu" and rm.fits(L, F)
+    log("experts generated; largest scale byte", scale_max, "; Mosaic GPU prefill rows:", mgpu)
 
     # Tile sweep: a few candidates per regime, at a representative token count each.
     best = {"decode": kern.DECODE, "prefill": kern.PREFILL}
@@ -333,6 +362,17 @@ def main():
         except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
             traceback.print_exc()
+        if mgpu and cfg is best["prefill"] and not late(0.6):
+            try:
+                r = measure_mgpu(ex, n, scale_max)
+                r.update({f"{part}_tflops": fl[part] / r[f"{part}_s"] / 1e12 for part in ("gate_up", "down")})
+                r["whole_tflops"] = (fl["gate_up"] + fl["down"]) / r["whole_s"] / 1e12
+                if "whole_s" in row:
+                    r["speedup_vs_triton"] = row["whole_s"] / r["whole_s"]
+                row["mgpu"] = r
+            except Exception as exc:  # noqa: BLE001
+                row["mgpu_error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+                traceback.print_exc()
         for variant in ("exact", "reinterpret"):  # the longer decode of the same bits, the decode-free diagnostic
             if late(0.6) or n not in (16, 512, 16384):
                 break
@@ -379,6 +419,8 @@ def main():
             want = ein(xl, idx, w, *dense)
             if got is not None:
                 record_check(n, "capacity einsum", got, want)
+            if "mgpu" in row:
+                record_check(n, "capacity einsum (Mosaic GPU path)", mgpu_fn(scale_max)(xl, idx, w, ex), want)
             del want
         except Exception as exc:  # noqa: BLE001
             row["einsum_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -429,6 +471,15 @@ def table():
               f"{r.get('reinterpret_gate_up_tb_s', 0):.2f} | "
               f"{t.get('gate_up_ms', float('nan')):.3f} / {t.get('down_ms', float('nan')):.3f} | {f('einsum_s')} | "
               f"{f('ragged_s') if 'ragged_s' in r else r.get('ragged_error', '-')[:60]}")
+    mg = [r for r in RESULTS["rows"] if "mgpu" in r or "mgpu_error" in r]
+    if mg:
+        print("\nMosaic GPU prefill path: tokens | gate_up ms (TFLOP/s) | down ms (TFLOP/s) | whole ms (TFLOP/s) | vs"
+              " the Triton whole path")
+    for r in mg:
+        m = r.get("mgpu")
+        print(f"{r['tokens']} | " + (" | ".join(f"{m[p + '_s'] * 1e3:.3f} ({m[p + '_tflops']:.0f})"
+                                                for p in ("gate_up", "down", "whole"))
+                                     + f" | {m.get('speedup_vs_triton', float('nan')):.2f}x" if m else r["mgpu_error"][:200]))
     for c in RESULTS["checks"]:
         print("check", c)
     for e in RESULTS["errors"]:

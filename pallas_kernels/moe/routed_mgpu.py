@@ -26,6 +26,8 @@ switch has passed on a GPU (and the k-gather combine, written since, has been ti
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,27 +79,49 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
     return out.T if transpose_out else out
 
 
+class Stages(NamedTuple):
+    """The path's steps with one tuning, each a function of arrays (jit them alone to time them alone):
+    tile_t: the dispatch's slots per tile; planes(xl, slot_token) -> [2, S, L/2]; gate_up(tile_expert, planes,
+    experts, beta, linear_beta) -> h^T [F, S] in bf16, rows in plane order; down(tile_expert, h^T, experts) ->
+    y [S, L] fp32."""
+    tile_t: int
+    planes: Callable
+    gate_up: Callable
+    down: Callable
+
+
+def stages(tuning=None, *, scale_max=None, matmul_t=None) -> Stages:
+    """The Mosaic GPU path's steps. `tuning`: overrides of TUNING; `scale_max`: the experts' largest scale
+    byte when known (`Runtime.expert_scale_max`): up to QUICK_MAX the kernels take the one-multiply decode;
+    `matmul_t`: the grouped GEMM (default the Mosaic GPU kernel; tests pass `reference_matmul_t`)."""
+    t = {**TUNING, "quick": scale_max is not None and scale_max <= QUICK_MAX, **(tuning or {})}
+    gate_up_rb, down_rb = t.pop("row_blocks")
+    matmul_t = functools.partial(matmul_t or grouped_mxfp4_matmul_t, **t)
+
+    def gate_up(tile_expert, planes, experts, beta, linear_beta):
+        return matmul_t(tile_expert, (experts.w1_packed, experts.w3_packed),
+                        tuple(transpose_scales(s, plane_rows=True) for s in (experts.w1_scale, experts.w3_scale)),
+                        planes, epilogue=lambda a1, a3: situ(a1, a3, beta, linear_beta), out_dtype=planes.dtype,
+                        x_tk=True, plane_rows=True, row_blocks=gate_up_rb)
+
+    def down(tile_expert, h_t, experts):
+        width, slots = h_t.shape
+        return matmul_t(tile_expert, (experts.w2_packed,), (transpose_scales(experts.w2_scale),),
+                        h_t.reshape(2, width // 2, slots), transpose_out=True, row_blocks=down_rb)
+
+    return Stages(t["tile_t"], lambda xl, slot_token: token_planes(xl)[:, slot_token], gate_up, down)
+
+
 def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=None, matmul_t=None,
                         scale_max=None):
     """Same contract as `kimik3_jax.ops.moe.routed_experts` for bf16 xl [N, L] and packed experts of one
-    layer -> [N, L] float32. `tuning`: overrides of TUNING; `matmul_t`: the grouped GEMM (default the
-    Mosaic GPU kernel; tests pass `reference_matmul_t`); `scale_max`: the experts' largest scale byte when
-    known (`Runtime.expert_scale_max`): up to QUICK_MAX the kernels take the one-multiply decode."""
-    quick = scale_max is not None and scale_max <= QUICK_MAX
-    t = {**TUNING, "quick": quick, **(tuning or {})}
-    gate_up_rb, down_rb = t.pop("row_blocks")
+    layer -> [N, L] float32; `tuning`, `scale_max` and `matmul_t` as `stages` takes them."""
     if jnp.dtype(xl.dtype) != jnp.bfloat16:  # the kernel's shapes are checked by the kernel, by name
         raise ValueError(f"routed_experts_mgpu: activations must be bfloat16, got {jnp.dtype(xl.dtype)}")
-    matmul_t = functools.partial(matmul_t or grouped_mxfp4_matmul_t, **t)
+    path = stages(tuning, scale_max=scale_max, matmul_t=matmul_t)
     n, k = idx.shape
-    num_experts, width, _ = experts.w1_packed.shape
-    layout = dsp.block_layout(idx, weights, num_experts, t["tile_t"])
-    slots = layout.slot_token.shape[0]
-    planes = token_planes(xl)[:, layout.slot_token]  # [2, S, L/2]: a row gather
-    h_planes = matmul_t(layout.tile_expert, (experts.w1_packed, experts.w3_packed),
-                        tuple(transpose_scales(s, plane_rows=True) for s in (experts.w1_scale, experts.w3_scale)),
-                        planes, epilogue=lambda a1, a3: situ(a1, a3, beta, linear_beta), out_dtype=xl.dtype,
-                        x_tk=True, plane_rows=True, row_blocks=gate_up_rb)  # [F, S] = down's planes [2, F/2, S]
-    y = matmul_t(layout.tile_expert, (experts.w2_packed,), (transpose_scales(experts.w2_scale),),
-                 h_planes.reshape(2, width // 2, slots), transpose_out=True, row_blocks=down_rb)  # [S, L] fp32
+    layout = dsp.block_layout(idx, weights, experts.w1_packed.shape[0], path.tile_t)
+    planes = path.planes(xl, layout.slot_token)  # [2, S, L/2]: a row gather
+    h_t = path.gate_up(layout.tile_expert, planes, experts, beta, linear_beta)  # [F, S] = down's planes [2, F/2, S]
+    y = path.down(layout.tile_expert, h_t, experts)  # [S, L] fp32
     return dsp.combine(y, layout, n, k, weighted=False)

@@ -16,17 +16,15 @@ import sys
 
 sys.path.insert(0, "benchmarks")
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from moe import BETA, LINEAR_BETA, _random_experts, routing  # noqa: E402
 from timing import device_seconds  # noqa: E402
 
-from kimik3_jax.ops.common import situ  # noqa: E402
 from pallas_kernels.moe import dispatch as dsp  # noqa: E402
 from pallas_kernels.moe import routed as kern  # noqa: E402
 from pallas_kernels.moe import routed_mgpu as rm  # noqa: E402
-from pallas_kernels.moe.wgmma_mxfp4 import grouped_mxfp4_matmul_t, token_planes, transpose_scales  # noqa: E402
+from pallas_kernels.moe.wgmma_mxfp4 import transpose_scales  # noqa: E402
 
 TOKENS = [int(t) for t in os.environ.get("MGPU_TOKENS", "4096,16384").split(",")]
 TUNINGS = json.loads(os.environ.get("MGPU_TUNINGS", '[{}, {"quick": true}]'))
@@ -50,44 +48,39 @@ def main():
                 scale = np.abs(want).max(axis=-1, keepdims=True)
                 err = float(np.max(np.abs(got - want) / np.where(scale > 0, scale, 1)))
                 s = device_seconds(f, xl, idx, w, ex, calls=3)
-                t = dict(rm.TUNING, **tuning)
-                gate_up_rb, rb = t.pop("row_blocks")
-                lo = dsp.block_layout(idx, w, 896, t["tile_t"])
-                planes = jax.jit(lambda x, s: token_planes(x)[:, s])(xl, lo.slot_token)
-                gu = jax.jit(lambda te, p, e: grouped_mxfp4_matmul_t(
-                    te, (e.w1_packed, e.w3_packed),
-                    tuple(transpose_scales(sc, plane_rows=True) for sc in (e.w1_scale, e.w3_scale)), p,
-                    epilogue=lambda a1, a3: situ(a1, a3, BETA, LINEAR_BETA), out_dtype=jnp.bfloat16, x_tk=True,
-                    plane_rows=True, row_blocks=gate_up_rb, **t))
+                path = rm.stages(tuning)
+                rb = dict(rm.TUNING, **tuning)["row_blocks"]
+                fewer = rm.stages({**tuning, "row_blocks": (rb[0], max(1, rb[1] // 2))})  # down with fewer row blocks
+                lo = dsp.block_layout(idx, w, 896, path.tile_t)
+                planes = jax.jit(path.planes)(xl, lo.slot_token)
+                gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
                 s_gu = device_seconds(gu, lo.tile_expert, planes, ex, calls=3)
-                h_planes = gu(lo.tile_expert, planes, ex).reshape(2, width // 2, planes.shape[1])
-                dn = [jax.jit(lambda te, p, e, o=o: grouped_mxfp4_matmul_t(
-                    te, (e.w2_packed,), (transpose_scales(e.w2_scale),), p, transpose_out=True, row_blocks=o,
-                    **t)) for o in (rb, max(1, rb // 2))]
-                s_dn, s_dn_t = (device_seconds(d, lo.tile_expert, h_planes, ex, calls=3) for d in dn)
+                h_t = gu(lo.tile_expert, planes, ex)
+                dn = [jax.jit(stage.down) for stage in (path, fewer)]
+                s_dn, s_dn_t = (device_seconds(d, lo.tile_expert, h_t, ex, calls=3) for d in dn)
                 print(f"  mgpu {tuning}: whole {s * 1e3:.3f} ms ({flops / s / 1e12:.0f} TFLOP/s, "
                       f"{s_tri / s:.2f}x triton), rel. max error vs triton {err:.1e}; gate+up kernel "
                       f"{s_gu * 1e3:.3f} ms ({flops * 2 / 3 / s_gu / 1e12:.0f} TFLOP/s), down kernel {s_dn * 1e3:.3f} ms "
-                      f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s; {s_dn_t * 1e3:.3f} ms with {max(1, rb // 2)} row blocks), glue "
-                      f"{(s - s_gu - s_dn) * 1e3:.3f} ms; slots {planes.shape[1]}", flush=True)
-                y = dn[0](lo.tile_expert, h_planes, ex)
+                      f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s; {s_dn_t * 1e3:.3f} ms with {max(1, rb[1] // 2)} row "
+                      f"blocks), glue {(s - s_gu - s_dn) * 1e3:.3f} ms; slots {planes.shape[1]}", flush=True)
+                y = dn[0](lo.tile_expert, h_t, ex)
                 parts = {
-                    "dispatch": (jax.jit(lambda i, w: dsp.block_layout(i, w, 896, t["tile_t"])), idx, w),
-                    "planes gather": (jax.jit(lambda x, s: token_planes(x)[:, s]), xl, lo.slot_token),
+                    "dispatch": (jax.jit(lambda i, w: dsp.block_layout(i, w, 896, path.tile_t)), idx, w),
+                    "planes gather": (jax.jit(path.planes), xl, lo.slot_token),
                     "scales": (jax.jit(lambda e: (transpose_scales(e.w1_scale, plane_rows=True),
                                                   transpose_scales(e.w3_scale, plane_rows=True),
                                                   transpose_scales(e.w2_scale))), ex),
                     "combine": (jax.jit(lambda y, lo: dsp.combine(y, lo, n, idx.shape[1], weighted=False)), y, lo)}
                 def upto(stage):  # the path's first stages in one jit: their marginal costs in place
                     def f(x, i, w, e):
-                        layout = dsp.block_layout(i, w, 896, t["tile_t"])
-                        p = token_planes(x)[:, layout.slot_token]
+                        layout = dsp.block_layout(i, w, 896, path.tile_t)
+                        p = path.planes(x, layout.slot_token)
                         if stage == 0:
                             return p
-                        h = gu(layout.tile_expert, p, e)
+                        h = path.gate_up(layout.tile_expert, p, e, BETA, LINEAR_BETA)
                         if stage == 1:
                             return h
-                        return dn[0](layout.tile_expert, h.reshape(2, width // 2, -1), e)
+                        return path.down(layout.tile_expert, h, e)
                     return jax.jit(f)
                 print("  in place: " + ", ".join(f"{name} {device_seconds(upto(i), xl, idx, w, ex, calls=3) * 1e3:.3f} ms"
                                                  for i, name in enumerate(("dispatch+planes", "+gate+up", "+down"))),
