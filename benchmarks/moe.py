@@ -49,12 +49,13 @@ from kimik3_jax.params import ExpertParams
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed as kern
 from pallas_kernels.moe import routed_mgpu as rm
-from pallas_kernels.moe.kernels import TileConfig, Tiles, down, gate_up
+from pallas_kernels.moe.kernels import TileConfig, down, gate_up
 from timing import device_seconds  # benchmarks/timing.py (this script's directory is on sys.path)
 
 E, K_TOP, L, F = 896, 16, 3584, 3072
 BETA, LINEAR_BETA = 4.0, 25.0
 T0 = time.perf_counter()
+MGPU_MATMUL = None  # the Mosaic GPU path's grouped GEMM: None, the kernel; --small on the CPU: its reference
 RESULTS: dict = {"rows": [], "errors": [], "sweep": [], "checks": []}
 
 
@@ -225,14 +226,15 @@ def measure_kernels(ex, n, cfg, decode=kern.DEFAULT_DECODE):
 @cache
 def mgpu_fn(scale_max):
     """The Mosaic GPU prefill path, whole and jitted, as the model runs it (`Runtime.expert_scale_max` given)."""
-    return jax.jit(lambda x, i, ww, ex: rm.routed_experts_mgpu(x, i, ww, ex, BETA, LINEAR_BETA, scale_max=scale_max))
+    return jax.jit(lambda x, i, ww, ex: rm.routed_experts_mgpu(x, i, ww, ex, BETA, LINEAR_BETA, scale_max=scale_max,
+                                                                matmul_t=MGPU_MATMUL))
 
 
 def measure_mgpu(ex, n, scale_max):
     """The Mosaic GPU prefill path (`routed_mgpu`, TUNING) at n tokens: its two kernels alone on one dispatch,
     and the whole path (dispatch, planes, kernels, combine)."""
     xl, idx, w = routing(n, n)
-    path = rm.stages(scale_max=scale_max)
+    path = rm.stages(scale_max=scale_max, matmul_t=MGPU_MATMUL)
     lo = jax.jit(lambda i, ww: dsp.block_layout(i, ww, E, path.tile_t))(idx, w)
     planes = jax.jit(path.planes)(xl, lo.slot_token)
     gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
@@ -268,11 +270,15 @@ def main():
     ap.add_argument("--no-mgpu", action="store_true",
                     help="leave out the Mosaic GPU prefill path's rows (timed by default at prefill token counts on "
                          "the GPU, when its kernels take the widths)")
-    ap.add_argument("--small", action="store_true", help="tiny widths: a dry run of the script on the CPU")
+    ap.add_argument("--small", action="store_true",
+                    help="tiny widths: a dry run of the script on the CPU (the Mosaic GPU rows with the kernel's "
+                         "pure-JAX reference in its place)")
     args = ap.parse_args()
     if args.small:
-        global E, K_TOP, L, F
-        E, K_TOP, L, F = 16, 4, 128, 64
+        global E, K_TOP, L, F, MGPU_MATMUL
+        E, K_TOP, L, F = 16, 4, 256, 256  # the smallest widths the Mosaic GPU path takes
+        if jax.devices()[0].platform != "gpu":
+            MGPU_MATMUL = rm.reference_matmul_t
     tokens = [int(t) for t in args.tokens.split(",")]
     late = lambda frac=1.0: time.perf_counter() - T0 > frac * args.budget_s
     RESULTS["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0]), "date": time.strftime("%F"),
@@ -291,7 +297,7 @@ def main():
     ex = jax.block_until_ready(_random_experts(jax.random.PRNGKey(0), E))
     scale_max = max(int(jnp.max(s)) for s in (ex.w1_scale, ex.w3_scale, ex.w2_scale))  # as Runtime.expert_scale_max
     RESULTS["meta"]["expert_scale_max"] = scale_max
-    mgpu = not args.no_mgpu and jax.devices()[0].platform == "gpu" and rm.fits(L, F)
+    mgpu = not args.no_mgpu and (jax.devices()[0].platform == "gpu" or MGPU_MATMUL is not None) and rm.fits(L, F)
     log("experts generated; largest scale byte", scale_max, "; Mosaic GPU prefill rows:", mgpu)
 
     # Tile sweep: a few candidates per regime, at a representative token count each.

@@ -4,6 +4,8 @@ E8M0 factor, exactly, for every nibble and scale byte; the even/odd K planes aga
 and its lowering for CUDA (layouts, transfer plans and shared memory are settled at lowering). The kernel
 itself runs only on the GPU: tests/gpu/probe_mgpu_mxfp4.py."""
 import functools
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -211,3 +213,22 @@ def test_prefill_kernels_switch_picks_mosaic_gpu_only_for_the_prefill_regime_on_
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.max(np.abs(got - want) / np.abs(want).max(axis=-1, keepdims=True)) <= RTOL
     assert len(calls) == 1
+
+
+@pytest.mark.slow
+def test_moe_benchmark_dry_run_checks_both_prefill_paths(tmp_path):
+    """benchmarks/moe.py --small on the CPU (the script the GPU session runs, about 40 s here): the Triton path
+    interpreted, the Mosaic GPU path with its kernel's reference in place, each checked against the capacity
+    einsum at a prefill token count; fails if the script breaks or either check is off."""
+    import json
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "moe.py", "--small", "--no-torch", "--no-sweep", "--tokens", "16,256",
+                    "--budget-s", "900", "--out", str(tmp_path)], cwd=root / "benchmarks", check=True,
+                   env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True)
+    res = json.loads((tmp_path / "moe.json").read_text())
+    assert not res["errors"] and [r["tokens"] for r in res["rows"] if "mgpu" in r] == [256]
+    checks = {(c["tokens"], c["vs"]): c for c in res["checks"]}
+    for key in ((256, "capacity einsum"), (256, "capacity einsum (Mosaic GPU path)"), (16, "routed_experts gathered")):
+        assert checks[key]["finite"] and checks[key]["max_rel_err"] <= 1e-5, checks[key]
