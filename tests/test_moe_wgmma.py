@@ -54,6 +54,20 @@ def test_quick_decode_is_exact_up_to_its_largest_scale_byte():
     assert not np.isfinite(_bf16(wg.quick_scale_bits(jnp.int16(wg.QUICK_MAX + 1))))
 
 
+def test_swar_planes_equal_the_per_lane_bits_for_every_byte_pair():
+    """The kernel's two-values-per-word decode (`spread_pair`, `pair_planes`: the formulas `_swar_planes`
+    emits for each register of two bytes) against `e2m1_bits` of each nibble, for all 65536 byte pairs: no
+    bit crosses from one 16-bit half into the other."""
+    b = np.arange(65536, dtype=np.uint32)
+    lo, hi = wg.pair_planes(wg.spread_pair(b))  # b = b0 | b1 << 8, as the register's bytes in memory order
+    lanes = lambda w: np.stack([w & 0xFFFF, w >> 16], axis=-1).astype(np.uint16)  # noqa: E731
+    bytes_ = np.stack([b & 0xFF, b >> 8], axis=-1).astype(np.int16)
+    want = [np.asarray(jax.jit(wg.e2m1_bits)(jnp.asarray(nib))).astype(np.uint16)
+            for nib in (bytes_ & 0xF, (bytes_ >> 4) & 0xF)]
+    np.testing.assert_array_equal(lanes(lo), want[0])
+    np.testing.assert_array_equal(lanes(hi), want[1])
+
+
 def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
     """The kernel's algebra: low nibbles against x's even columns, high against the odd ones, scale block b
     covering plane columns 16b..16b+15; against the dequantised weights times x."""
@@ -79,7 +93,8 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
                                     {"x_tk": True, "plane_rows": True}, {"transpose_out": True, "row_blocks": 2},
                                     {"x_tk": True, "plane_rows": True, "transpose_out": True, "row_blocks": 2,
                                      "delay": 1, "persistent": True, "sms": 132, "stages": 3},
-                                    {"quick": True, "row_blocks": 2}])
+                                    {"quick": True, "row_blocks": 2}, {"swar": True},
+                                    {"swar": True, "quick": True, "x_tk": True, "plane_rows": True, "row_blocks": 2}])
 def test_kernel_lowers_for_cuda(tuning):
     """Each layout option (token-major planes, plane-ordered rows, transposed output, 2 row blocks a tile)
     and tuning lowers for CUDA."""

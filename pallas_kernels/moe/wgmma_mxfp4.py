@@ -36,9 +36,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
 
 ROWS_PER_WG = 64  # wgmma's M
 SCALE_BLOCK = 32  # k per E8M0 scale
@@ -73,20 +77,84 @@ def e2m1_bits(nibbles):
     return ((nibbles & 0x8) << 12) | ((nibbles & 0x7) << 6)
 
 
-def decode(nibbles, factor, quick: bool = False):
-    """e2m1 nibbles (int16) times a bf16 factor broadcast to their shape: two exact multiplies, by 2^126 and
-    by the factor (`scale_bits`), or with `quick` one, by the factor from `quick_scale_bits`. The operand is
-    subnormal for +-0.5, so this needs a multiply that keeps bf16 subnormals, as the GPU's bf16 multiplies do
-    (the Triton kernels' quick decoder relies on the same, and was bit-exact on the H200); XLA's CPU backend
-    flushes them (tests/test_moe_wgmma.py checks the bits)."""
-    value = lax.bitcast_convert_type(e2m1_bits(nibbles), jnp.bfloat16)
+def spread_pair(x):
+    """Two packed bytes b0 | b1 << 8 (32-bit lanes) -> b0 | b1 << 16: one byte per 16-bit half."""
+    return (x & 0xFF) | ((x & 0xFF00) << 8)
+
+
+def pair_planes(y):
+    """Two bytes, one per 16-bit half of a 32-bit word (`spread_pair`) -> the bf16x2 bit patterns of their low
+    and high nibbles (`e2m1_bits` of each, the value times 2^-126), two values per 32-bit operation: each mask
+    keeps the bits that its shift moves within their own half."""
+    lo = ((y & 0x00080008) << 12) | ((y & 0x00070007) << 6)
+    hi = ((y & 0x00800080) << 8) | ((y & 0x00700070) << 2)
+    return lo, hi
+
+
+class _Word:
+    """An i32 MLIR value with the integer operators `spread_pair` and `pair_planes` use (int operands become
+    i32 constants), so that the kernel emits the same formulas the CPU tests run on NumPy words."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def _op(self, fn, other):
+        i32 = ir.IntegerType.get_signless(32)
+        return _Word(fn(self.value, other.value if isinstance(other, _Word) else arith.constant(i32, other)))
+
+    def __and__(self, other):
+        return self._op(arith.andi, other)
+
+    def __or__(self, other):
+        return self._op(arith.ori, other)
+
+    def __lshift__(self, other):
+        return self._op(arith.shli, other)
+
+
+def _swar_planes(packed):
+    """A [64, 16] uint8 tile in the WGMMA layout -> its (low, high) nibble planes as [64, 16] bf16 (the value
+    times 2^-126) in the same layout: each register's two bytes decoded as 32-bit words (`pair_planes`),
+    not as 16-bit lanes, whose shifts the GPU has no paired instruction for."""
+    out = plgpu.ShapeDtypeStruct(packed.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
+    def planes(_, tile):
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get([2], ir.BF16Type.get())
+        lo_regs, hi_regs = (np.empty(tile.registers.shape, dtype=object) for _ in range(2))
+        for idx, reg in np.ndenumerate(tile.registers):  # vector<2xi8>: two bytes of one row
+            word = _Word(arith.extui(i32, llvm.bitcast(i16, reg)))
+            lo, hi = pair_planes(spread_pair(word))
+            lo_regs[idx], hi_regs[idx] = llvm.bitcast(pair, lo.value), llvm.bitcast(pair, hi.value)
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=tile.layout, _is_signed=None)
+                     for r in (lo_regs, hi_regs))
+    return planes(packed)
+
+
+def planes_of(packed, swar: bool = False):
+    """A [64, 16] uint8 tile -> its (low, high) nibble planes as bf16, each value times 2^-126: as 16-bit lanes
+    (`e2m1_bits`), or with `swar` two values per 32-bit word (`_swar_planes`; GPU only)."""
+    if swar:
+        return _swar_planes(packed)
+    p16 = packed.astype(jnp.int16)  # 8-bit values take bit ops only
+    return tuple(lax.bitcast_convert_type(e2m1_bits(nib), jnp.bfloat16) for nib in (p16 & 0xF, (p16 >> 4) & 0xF))
+
+
+def scaled(value, factor, quick: bool = False):
+    """A plane's values times 2^-126 (`planes_of`) times a bf16 factor broadcast to their shape: two exact
+    multiplies, by 2^126 and by the factor (`scale_bits`), or with `quick` one, by the factor from
+    `quick_scale_bits`. The operand is subnormal for +-0.5, so this needs a multiply that keeps bf16
+    subnormals, as the GPU's bf16 multiplies do (the Triton kernels' quick decoder relies on the same, and was
+    bit-exact on the H200); XLA's CPU backend flushes them (tests/test_moe_wgmma.py checks the bits)."""
     if not quick:
         value = value * jnp.asarray(2.0 ** 126, jnp.bfloat16)
     return value * factor
 
 
 def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue,
-            persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int, quick: bool):
+            persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int, quick: bool,
+            swar: bool):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
@@ -105,13 +173,12 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
             for j in range(row_blocks):
                 rows = pl.ds(j * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)
                 for m in range(mats):
-                    packed = w_smem[m][rows, cols].astype(jnp.int16)  # [64, 16]: 8-bit values take bit ops only
                     s = s_smem[m][i, rows].astype(jnp.int16)  # [64]: this block's scale per row
                     factor = lax.bitcast_convert_type((quick_scale_bits if quick else scale_bits)(s), jnp.bfloat16)
                     factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
-                    for nib, x_smem in ((packed & 0xF, xlo_smem), ((packed >> 4) & 0xF, xhi_smem)):
+                    for value, x_smem in zip(planes_of(w_smem[m][rows, cols], swar), (xlo_smem, xhi_smem)):
                         b = plgpu.transpose_ref(x_smem.at[:, cols], (1, 0)) if x_tk else x_smem.at[cols]
-                        plgpu.wgmma(accs[j * mats + m], decode(nib, factor, quick), b)
+                        plgpu.wgmma(accs[j * mats + m], scaled(value, factor, quick), b)
         plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # with delay 1, this step's wgmmas may still run
         return accs
 
@@ -190,7 +257,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
                           tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
                           persistent: bool = False, sms: int | None = None, x_tk: bool = False,
                           plane_rows: bool = False, transpose_out: bool = False, row_blocks: int = 1,
-                          quick: bool = False):
+                          quick: bool = False, swar: bool = False):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
@@ -204,7 +271,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     True)`, in the same order). transpose_out: out is [S, N] (each block stored transposed from registers).
     row_blocks: 128-row blocks per tile (each compute warpgroup holds mats x row_blocks accumulators), so that
     each activation tile in shared memory feeds more rows (2 for one matrix: as many accumulators as w1+w3).
-    quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked).
+    quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
+    nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane.
 
     N a multiple of 128 (of 256 with plane_rows), S of tile_t (<= 256), K/2 of plane_cols (a multiple of
     16). delay: 0 waits for each pipeline step's wgmmas before its shared-memory stage is released; 1
@@ -238,7 +306,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
                                delay=delay, epilogue=epilogue, persistent=persistent, x_tk=x_tk,
                                plane_rows=plane_rows, transpose_out=transpose_out, row_blocks=row_blocks,
-                               quick=quick)
+                               quick=quick, swar=swar)
     if persistent:
         grid, names = (sms or _sm_count(),), ("sm",)
     else:

@@ -46,7 +46,8 @@ def layouts(rng, t):
     packed, scales, x = case(rng, t, 119, 121)
     want = dequantize_np(packed, scales, np.float32) @ np.asarray(x, np.float32).T
     for opts in ({"x_tk": True}, {"plane_rows": True}, {"transpose_out": True}, {"row_blocks": 2},
-                 {"quick": True}, {"quick": True, "row_blocks": 2},
+                 {"quick": True}, {"quick": True, "row_blocks": 2}, {"swar": True},
+                 {"swar": True, "quick": True, "row_blocks": 2},
                  {"x_tk": True, "plane_rows": True, "transpose_out": True, "delay": 1, "persistent": True,
                   "stages": 3}):
         try:
@@ -69,9 +70,11 @@ def main():
     layouts(rng, TOKENS[-1])
     packed, scales, x = case(rng, TOKENS[0], 0, 128)  # the quick decode over its whole range, subnormals included
     want = dequantize_np(packed, scales, np.float32) @ np.asarray(x, np.float32).T
-    got = np.asarray(jax.jit(lambda *a: mxfp4_matmul(*a, quick=True))(
-        jnp.asarray(packed), jnp.asarray(np.ascontiguousarray(scales.T)), x_planes(x)))
-    print(f"quick decode, scale bytes 0..128, T = {TOKENS[0]}: rel. max error {np.abs(got - want).max() / np.abs(want).max():.1e}")
+    for opts in ({"quick": True}, {"quick": True, "swar": True}, {"swar": True}):
+        got = np.asarray(jax.jit(lambda *a, o=opts: mxfp4_matmul(*a, **o))(
+            jnp.asarray(packed), jnp.asarray(np.ascontiguousarray(scales.T)), x_planes(x)))
+        print(f"{opts}, scale bytes 0..128, T = {TOKENS[0]}: rel. max error "
+              f"{np.abs(got - want).max() / np.abs(want).max():.1e}")
     for t, (lo, hi) in [(TOKENS[0], (0, 200))] + [(t, (119, 121)) for t in TOKENS]:
         packed, scales, x = case(rng, t, lo, hi)
         w = dequantize_np(packed, scales, np.float32)

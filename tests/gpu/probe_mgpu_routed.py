@@ -7,8 +7,8 @@ inputs: relative max error per token row, device time, TFLOP/s of the dequantise
     python3 tests/gpu/probe_mgpu_routed.py                  # 4096 and 16384 tokens
     MGPU_TOKENS=4096 MGPU_TUNINGS='[{}, {"tile_t": 256, "stages": 2}]' python3 tests/gpu/probe_mgpu_routed.py
 
-The default tunings: TUNING, and TUNING with the quick one-multiply decode (the experts' scale bytes are
-119-121, as the release's).
+The default tunings: TUNING, TUNING with the quick one-multiply decode (the experts' scale bytes are 119-121,
+as the release's), and that with the nibbles decoded two per 32-bit word (swar).
 """
 import json
 import os
@@ -27,7 +27,7 @@ from pallas_kernels.moe import routed_mgpu as rm  # noqa: E402
 from pallas_kernels.moe.wgmma_mxfp4 import transpose_scales  # noqa: E402
 
 TOKENS = [int(t) for t in os.environ.get("MGPU_TOKENS", "4096,16384").split(",")]
-TUNINGS = json.loads(os.environ.get("MGPU_TUNINGS", '[{}, {"quick": true}]'))
+TUNINGS = json.loads(os.environ.get("MGPU_TUNINGS", '[{}, {"quick": true}, {"quick": true, "swar": true}]'))
 
 
 def main():
