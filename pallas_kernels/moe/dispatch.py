@@ -66,11 +66,11 @@ def combine(y_slots: jax.Array, layout: BlockLayout, n: int, k: int, weighted: b
     (not a [N * k, L] intermediate)."""
     slot = layout.slot_of_pair.reshape(n, k)
     used = layout.pair_used.reshape(n, k)
-    weight = layout.slot_weight[layout.slot_of_pair].reshape(n, k)
+    weight = None if weighted else layout.slot_weight[layout.slot_of_pair].reshape(n, k)
     out = None
     for j in range(k):
         y = y_slots[slot[:, j]]
-        if not weighted:
+        if weight is not None:
             y = y * weight[:, j, None]
         y = jnp.where(used[:, j, None], y, 0.0)
         out = y if out is None else out + y
