@@ -85,7 +85,7 @@ def _lowered_text(op, shape, tuning, checkpoint, jax, jnp):
                                u8(e, wid, lat // 32), u8(e, lat, wid // 2), u8(e, lat, wid // 32))
         args = (jax.ShapeDtypeStruct((b, lat), jnp.bfloat16), jax.ShapeDtypeStruct((b, top), jnp.int32),
                 jax.ShapeDtypeStruct((b, top), jnp.float32), experts)
-        kw = dict(tuning)
+        kw = dict(tuning, prefill_kernels="triton")  # this report reads the Triton kernels' SASS
         if "config" in kw:  # {"bm": .., "gate_up": {Tiles fields}, "down": {..}}
             from pallas_kernels.moe.kernels import TileConfig
             kw["config"] = TileConfig.from_dict(kw["config"])

@@ -17,10 +17,10 @@ Step 2's gather and the combine are XLA passes, and the E8M0 scales are transpos
 warp-specialised pipeline has no interpreter rule (tests/test_moe_wgmma.py checks this glue on the CPU with the
 kernel's pure-JAX reference, `reference_matmul_t`, in its place; tests/gpu/test_moe_gpu.py the compiled path).
 
-On the H100 (2026-12-05, nineteenth session, docs/benchmarks.md; 896 experts, top-16, K3 widths) it equals the
-Triton path to 2.1e-4 and runs 1.20x its speed at 4096 tokens (21.4 against 25.6 ms) and 1.14-1.16x at 16384
-(62.8-64.5 against 73.1-73.5 ms). `routed.PREFILL_KERNELS` stays "triton" until the compiled test through the
-switch has passed on a GPU (and the k-gather combine, written since, has been timed).
+On the H100 (2026-12-06, twenty-first session, docs/benchmarks.md; 896 experts, top-16, K3 widths, jax 0.11.2)
+it equals the Triton path to 2.1e-4 and runs 1.30x its speed at 16384 tokens (51.6 against 67.4 ms, 335 TFLOP/s)
+with the quick decode and swar; 1.16x (58.3 ms) without either. It is the prefill regime's default
+(`routed.PREFILL_KERNELS`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from pallas_kernels.moe.wgmma_mxfp4 import QUICK_MAX, grouped_mxfp4_matmul_t, to
 # tile. The best on the H200 at K3's widths and 16384 tokens (tests/gpu/probe_mgpu_routed.py, eighteenth
 # session): delay 1, persistent, 3 stages; tile_t 256 runs out of shared memory at 3 stages and spills at 2
 # (gate+up 332 ms). Down with 2 row blocks (H100, nineteenth): 16.8-17.1 ms against 23.8-24.0 with 1; gate+up
-# keeps 1 (2 matrices are already 2 accumulators a warpgroup); 4 row blocks exceed TMA's 256-row box.
-TUNING = dict(tile_t=128, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2))
+# keeps 1 (2 matrices are already 2 accumulators a warpgroup); 4 row blocks exceed TMA's 256-row box. swar (the
+# nibbles' bits two per 32-bit word, H100 2026-12-06): gate+up 35.3 -> 32.4 ms, down 16.2 -> 15.9 with the quick
+# decode. The quick decode itself is not a tuning: `stages` takes it when the scale bytes allow.
+TUNING = dict(tile_t=128, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2), swar=True)
 
 
 def fits(latent: int, width: int, tuning=None) -> bool:
