@@ -202,8 +202,8 @@ def test_routed_mgpu_lowers_for_cuda():
 
 
 def test_prefill_kernels_switch_picks_mosaic_gpu_only_for_the_prefill_regime_on_the_gpu(monkeypatch):
-    """`routed.routed_experts(prefill_kernels="mgpu")` hands the prefill regime to `routed_experts_mgpu` when
-    not interpreting and the widths fit (a spy in its place); interpreted, the same call keeps the Triton
+    """`routed.routed_experts(prefill_kernels="mgpu")`, as by default, hands the prefill regime to
+    `routed_experts_mgpu` when not interpreting and the widths fit (a spy in its place); interpreted, the same call keeps the Triton
     kernels (their result equals the pure op's); a bad name is refused. (The decode regime and an explicit
     config are not reached here: off the interpreter they would run Triton, which the CPU cannot.)"""
     from test_moe_kernels import BETA, LINEAR_BETA, RTOL
@@ -217,6 +217,9 @@ def test_prefill_kernels_switch_picks_mosaic_gpu_only_for_the_prefill_regime_on_
     assert routed.routed_experts(*spec(prefill_n), BETA, LINEAR_BETA, interpret=False,
                                  prefill_kernels="mgpu", scale_max=120) == "mgpu"
     assert calls == [{"scale_max": 120}]  # the experts' largest scale byte reaches the kernels' decode choice
+    assert routed.PREFILL_KERNELS == "mgpu"  # the default on the GPU since 2026-12-06 (docs/benchmarks.md)
+    assert routed.routed_experts(*spec(prefill_n), BETA, LINEAR_BETA, interpret=False) == "mgpu"
+    assert calls[1:] == [{"scale_max": None}]
     assert not rm.fits(192, 256) and rm.fits(256, 256)
     with pytest.raises(ValueError, match="prefill_kernels must be"):
         routed.routed_experts(*spec(prefill_n), BETA, LINEAR_BETA, prefill_kernels="cutlass")
@@ -227,7 +230,7 @@ def test_prefill_kernels_switch_picks_mosaic_gpu_only_for_the_prefill_regime_on_
     want = routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, "gathered")
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.max(np.abs(got - want) / np.abs(want).max(axis=-1, keepdims=True)) <= RTOL
-    assert len(calls) == 1
+    assert len(calls) == 2  # the interpreted call did not reach the spy
 
 
 @pytest.mark.slow
