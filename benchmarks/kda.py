@@ -93,10 +93,19 @@ def decode_step_ms(step, conv_pool, s_pool, steps, reps=10, unroll=10):
     XLA's while loop adds its own overhead): (ms per step, ms per step in the `steps`-step call's average).
     The pools are not donated, so each call first copies them (the compiled HLO shows both copies): the
     step time is the difference between a 2 * steps and a steps loop, over steps."""
-    t1, t2 = (bench_jax(jax.jit(lambda cp, sp, k=k: jax.lax.fori_loop(
-        0, k, lambda i, c: step(*c)[1:], (cp, sp), unroll=min(k, unroll))), conv_pool, s_pool, reps=reps)
-        for k in (steps, 2 * steps))
+    t1, t2 = (bench_jax(steps_loop(step, k, unroll), conv_pool, s_pool, reps=reps) for k in (steps, 2 * steps))
     return (t2 - t1) / steps, t1 / steps
+
+
+def steps_loop(step, k, unroll=1):
+    """k decode steps in one jitted loop, -> (the last output, conv_pool, s_pool). The output is carried so
+    that no part of a step is dead code: a step whose output XLA computes (the split decode's norm) would
+    otherwise be dropped from the loop and go untimed (it was, before 2026-12-06)."""
+    def run(cp, sp):
+        o = jax.eval_shape(step, cp, sp)[0]
+        return jax.lax.fori_loop(0, k, lambda i, c: step(*c[1:]), (jnp.zeros(o.shape, o.dtype), cp, sp),
+                                 unroll=min(k, unroll))
+    return jax.jit(run)
 
 
 def rel(x, ref):
@@ -243,8 +252,7 @@ def run_decode(args, torch_mods):
 
             # back-to-back steps on the GPU: the kernel time, not dispatch (a step inside a model has kernels
             # beside it, not a loop trip); the rolled loop is reported beside it
-            rolled_loop = jax.jit(lambda cp, sp, step=step: jax.lax.fori_loop(
-                0, steps, lambda i, c: step(*c)[1:], (cp, sp)))
+            rolled_loop = steps_loop(step, steps)
             try:
                 o, c2, s2 = jax.jit(step)(conv_pool, s_pool)
                 errs = (rel(o, o_ref), rel(s2, s_ref), rel(c2, c_ref))

@@ -58,25 +58,38 @@ def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids)
     plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(lens_ref[n] > 0, (dk, bv)))
 
 
-def decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, *, bv, eps, tuning,
-                 interpret, lower_bound, gate_on, qk_norm):
-    """The three launches; both pools in place (aliased). Returns (o, conv_pool, s_pool) as `kda_decode`."""
-    nb, nh = qkv.shape[0], s_pool.shape[1]
-    dk, dv = s_pool.shape[-2:]
-    params = compiler_params(tuning["num_warps"], tuning["num_stages"])
+def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tuning, interpret, lower_bound,
+             gate_on, qk_norm):
+    """Launch 1: -> (pre [N, H, PRE_ROWS, K] fp32, conv_pool with the new tails in place)."""
+    nb, nh = qkv.shape[0], qkv.shape[-1] // dk
     head_grid, head_ids = grid(nb, nh, tuning["heads_fastest"])
-    pre, conv_pool = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_prologue_kernel, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm, ids=head_ids),
         out_shape=(jax.ShapeDtypeStruct((nb, nh, PRE_ROWS, dk), jnp.float32),
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
         grid=head_grid, input_output_aliases={5: 1}, interpret=interpret, name="kda_decode_prologue",
-        compiler_params=params,
+        compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
     )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, g, beta)
+
+
+def state(slots, lens, pre, s_pool, *, bv, tuning, interpret):
+    """Launch 2: -> (the un-normed output [N, H, V] fp32, s_pool updated in place)."""
+    nb, nh = pre.shape[:2]
+    dv = s_pool.shape[-1]
     tile_grid, tile_ids = grid(nb, nh, tuning["heads_fastest"], (dv // bv,))
-    o_raw, s_pool = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_state_kernel, bv=bv, ids=tile_ids),
         out_shape=(jax.ShapeDtypeStruct((nb, nh, dv), jnp.float32), jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype)),
         grid=tile_grid, input_output_aliases={3: 1}, interpret=interpret, name="kda_decode_state",
-        compiler_params=params,
+        compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
     )(slots, lens, pre, s_pool)
+
+
+def decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, *, bv, eps, tuning,
+                 interpret, lower_bound, gate_on, qk_norm):
+    """The three launches; both pools in place (aliased). Returns (o, conv_pool, s_pool) as `kda_decode`."""
+    pre, conv_pool = prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, dk=s_pool.shape[-2],
+                              tuning=tuning, interpret=interpret, lower_bound=lower_bound, gate_on=gate_on,
+                              qk_norm=qk_norm)
+    o_raw, s_pool = state(slots, lens, pre, s_pool, bv=bv, tuning=tuning, interpret=interpret)
     return gated_output_norm(o_raw, norm_w, gate, eps, qkv.dtype), conv_pool, s_pool

@@ -1,0 +1,51 @@
+"""GPU probe (written 2026-12-06): where the split KDA decode's time goes (`pallas_kernels/kda/decode_split.py`,
+the default from 32 sequences) at H = 96, N = 32 and 256: each of its three launches timed alone, back to back
+in a loop as `benchmarks/kda.py` times the whole step (`decode_step_ms`), the state kernel's state traffic in
+TB/s, and the norm (XLA) by `device_seconds`. The whole step is `benchmarks/kda.py --only decode`.
+
+    PYTHONPATH=$PWD python3 tests/gpu/probe_kda_decode_parts.py          # N = 32, 256
+    KDA_PARTS_N=32 KDA_PARTS_BV=128,32 python3 tests/gpu/probe_kda_decode_parts.py
+"""
+import os
+import sys
+
+sys.path.insert(0, "benchmarks")
+import jax  # noqa: E402
+
+from kda import DK, DV, decode_inputs, decode_step_ms  # noqa: E402
+from timing import device_seconds  # noqa: E402
+
+from kimik3_jax.ops.kda import gated_output_norm  # noqa: E402
+from pallas_kernels.kda import decode as pdecode  # noqa: E402
+from pallas_kernels.kda import decode_split as split  # noqa: E402
+
+NS = [int(n) for n in os.environ.get("KDA_PARTS_N", "32,256").split(",")]
+BVS = [int(b) for b in os.environ.get("KDA_PARTS_BV", "128,32").split(",")]
+H, STEPS = 96, 100
+
+
+def main():
+    print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+    t = dict(pdecode.TUNING)
+    for n in NS:
+        qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, H)
+        lens = jax.numpy.ones((n,), jax.numpy.int32)
+        kw = dict(tuning=t, interpret=False, lower_bound=-5.0, gate_on=True, qk_norm=True)
+        pro = lambda cp, sp: (*split.prologue(qkv, conv_w, cp, slots, z, beta, lens, a_log, dk=DK, **kw), sp)
+        pre, _, _ = jax.jit(pro)(conv_pool, s_pool)
+        us = 1e3 * decode_step_ms(pro, conv_pool, s_pool, STEPS)[0]
+        print(f"N = {n}: prologue {us:.1f} us", flush=True)
+        o_raw = None
+        for bv in BVS:
+            st = lambda cp, sp, bv=bv: (lambda o, s: (o, cp, s))(
+                *split.state(slots, lens, pre, sp, bv=bv, tuning=t, interpret=False))
+            o_raw = jax.jit(st)(conv_pool, s_pool)[0]
+            us = 1e3 * decode_step_ms(st, conv_pool, s_pool, STEPS)[0]
+            print(f"N = {n}: state, block_v {bv}: {us:.1f} us, {2 * n * H * DK * DV * 4 / us / 1e6:.2f} TB/s",
+                  flush=True)
+        norm = jax.jit(lambda o, w, g: gated_output_norm(o, w, g, 1e-5, qkv.dtype))
+        print(f"N = {n}: norm (XLA, one call) {1e6 * device_seconds(norm, o_raw, norm_w, gate):.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
