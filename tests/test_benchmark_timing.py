@@ -49,3 +49,24 @@ def test_every_benchmark_and_gpu_script_compiles():
     assert len(scripts) > 5
     for path in scripts:
         compile(path.read_text(), str(path), "exec")
+
+
+def test_decode_steps_loop_carries_the_output_so_none_of_a_step_is_dead_code(monkeypatch):
+    """benchmarks/kda.py times decode steps in a loop; a step's output computed by XLA (the split decode's
+    norm) must stay in the loop. Here the output is a sqrt of the carried counter: the loop returns the last
+    step's output, and the compiled loop still computes it (a loop carrying the pools only drops the sqrt)."""
+    import sys
+
+    import jax
+    monkeypatch.setitem(sys.modules, "timing", timing)
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_kda", Path(__file__).resolve().parents[1] / "benchmarks" / "kda.py")
+    kda = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kda)
+    step = lambda cp, sp: (jnp.sqrt(cp + sp), cp + 1.0, sp)  # noqa: E731
+    loop = kda.steps_loop(step, 3)
+    o, cp, sp = loop(jnp.zeros(4), jnp.full(4, 2.0))
+    assert float(cp[0]) == 3.0 and float(o[0]) == 2.0  # the third step's: sqrt(2 + 2)
+    assert "sqrt" in loop.lower(jnp.zeros(4), jnp.full(4, 2.0)).compile().as_text()
+    dropped = jax.jit(lambda cp, sp: jax.lax.fori_loop(0, 3, lambda i, c: step(*c)[1:], (cp, sp)))
+    assert "sqrt" not in dropped.lower(jnp.zeros(4), jnp.full(4, 2.0)).compile().as_text()
