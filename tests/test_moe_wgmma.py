@@ -203,8 +203,8 @@ def test_routed_mgpu_lowers_for_cuda():
 
 def test_prefill_kernels_switch_picks_mosaic_gpu_only_for_the_prefill_regime_on_the_gpu(monkeypatch):
     """`routed.routed_experts(prefill_kernels="mgpu")`, as by default, hands the prefill regime to
-    `routed_experts_mgpu` when not interpreting and the widths fit (a spy in its place); interpreted, the same call keeps the Triton
-    kernels (their result equals the pure op's); a bad name is refused. (The decode regime and an explicit
+    `routed_experts_mgpu` when not interpreting and the widths fit (a spy in its place); interpreted, the
+    same call keeps the Triton kernels (their result equals the pure op's); a bad name is refused. (The decode regime and an explicit
     config are not reached here: off the interpreter they would run Triton, which the CPU cannot.)"""
     from test_moe_kernels import BETA, LINEAR_BETA, RTOL
     from pallas_kernels.moe import routed

@@ -1,7 +1,8 @@
 """GPU probe (written 2026-12-06): where the split KDA decode's time goes (`pallas_kernels/kda/decode_split.py`,
 the default from 32 sequences) at H = 96, N = 32 and 256: each of its three launches timed alone, back to back
-in a loop as `benchmarks/kda.py` times the whole step (`decode_step_ms`), the state kernel's state traffic in
-TB/s, and the norm (XLA) by `device_seconds`. The whole step is `benchmarks/kda.py --only decode`.
+in a loop as `benchmarks/kda.py` times the whole step (`decode_step_ms`), and the state kernel's state traffic
+in TB/s. The whole step is `benchmarks/kda.py --only decode`. (First run 2026-12-06, H100: docs/benchmarks.md,
+twenty-first session; its norm line then came from one call at a time, which measured the host's dispatch.)
 
     PYTHONPATH=$PWD python3 tests/gpu/probe_kda_decode_parts.py          # N = 32, 256
     KDA_PARTS_N=32 KDA_PARTS_BV=128,32 python3 tests/gpu/probe_kda_decode_parts.py
@@ -13,7 +14,6 @@ sys.path.insert(0, "benchmarks")
 import jax  # noqa: E402
 
 from kda import DK, DV, decode_inputs, decode_step_ms  # noqa: E402
-from timing import device_seconds  # noqa: E402
 
 from kimik3_jax.ops.kda import gated_output_norm  # noqa: E402
 from pallas_kernels.kda import decode as pdecode  # noqa: E402
@@ -43,8 +43,10 @@ def main():
             us = 1e3 * decode_step_ms(st, conv_pool, s_pool, STEPS)[0]
             print(f"N = {n}: state, block_v {bv}: {us:.1f} us, {2 * n * H * DK * DV * 4 / us / 1e6:.2f} TB/s",
                   flush=True)
-        norm = jax.jit(lambda o, w, g: gated_output_norm(o, w, g, 1e-5, qkv.dtype))
-        print(f"N = {n}: norm (XLA, one call) {1e6 * device_seconds(norm, o_raw, norm_w, gate):.1f} us", flush=True)
+        # the norm of a fixed output, made to depend on the loop's state so that XLA cannot hoist it out
+        nm = lambda cp, sp, o_raw=o_raw: (gated_output_norm(o_raw + 0.0 * sp[0, 0, 0, 0], norm_w, gate, 1e-5,
+                                                            qkv.dtype), cp, sp)
+        print(f"N = {n}: norm (XLA) {1e3 * decode_step_ms(nm, conv_pool, s_pool, STEPS)[0]:.1f} us", flush=True)
 
 
 if __name__ == "__main__":
