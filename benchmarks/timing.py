@@ -6,7 +6,10 @@ host's dispatch and synchronisation to every call. On the H200 (2026-12-03) that
 for our KDA prefill and jax-linear-attention's at about 2 ms, a tenth to a quarter of the time, so neither
 the rates nor the ratios against do_bench's numbers meant what they said. Here a batch of n calls and one
 of 2n calls are dispatched back to back, each blocked on once; (t(2n) - t(n)) / n is the time the device
-takes per call, the host's fixed costs cancelling.
+takes per call, the host's fixed costs cancelling. That holds while the device is busier than the host: a call
+shorter than the host's dispatch of one (some tens of us) leaves the device idle between calls, and the result
+is the dispatch rate (29 us for a 1.5 MB XLA norm on the H100, 2026-12-06, about 4 us in a device loop). Time
+such calls inside one jitted loop instead (`benchmarks/kda.py: steps_loop`).
 """
 
 from __future__ import annotations
