@@ -282,14 +282,14 @@ def test_num_tiles_bound_is_tight_for_a_token_per_expert():
     assert dsp.num_tiles(16 * 16384, 896, 128) == (16 * 16384 + 896 * 127) // 128
 
 
-def bf16_moe_layer():
-    """The tiny preset's first MoE layer in the production dtypes (bf16 weights, fp32 router bias) and a
-    bf16 input [2, 9, D]: (cfg, layer, x)."""
-    cfg = preset("tiny")
+def bf16_moe_layer(cfg=None, batch: int = 2, length: int = 9):
+    """The first MoE layer of `cfg` (default the tiny preset) in the production dtypes (bf16 weights, fp32
+    router bias) and a bf16 input [batch, length, D]: (cfg, layer, x)."""
+    cfg = cfg or preset("tiny")
     layer = jax.tree_util.tree_map(lambda a: a[0], init_params(cfg, 3, text_only=True).text.moe)
     layer = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, layer)
     layer = layer.replace(router_bias=layer.router_bias.astype(jnp.float32))
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 9, cfg.hidden_size)), jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((batch, length, cfg.hidden_size)), jnp.bfloat16)
     return cfg, layer, x
 
 

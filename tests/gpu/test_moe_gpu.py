@@ -101,6 +101,28 @@ def test_compiled_latent_moe_through_the_switch():
         assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), impl
 
 
+def test_compiled_latent_moe_prefill_takes_the_mosaic_gpu_path(monkeypatch):
+    """The whole latent MoE layer, impl="pallas", at a latent width the Mosaic GPU kernels take (256; the
+    tiny preset's expert width is 256) and 600 tokens (2400 pairs on 16 experts: the prefill regime): the
+    default prefill path (`routed.PREFILL_KERNELS`, spied) against impl="xla", with the experts' largest
+    scale byte known (the quick decode) and not."""
+    import dataclasses
+
+    from kimik3_jax.presets import preset
+    from pallas_kernels.moe import routed_mgpu
+    base = preset("tiny")
+    cfg, layer, x = cpu.bf16_moe_layer(dataclasses.replace(base, moe=dataclasses.replace(base.moe, latent_width=256)),
+                                       batch=4, length=150)
+    calls, path = [], routed_mgpu.routed_experts_mgpu
+    monkeypatch.setattr(kern.mgpu, "routed_experts_mgpu", lambda *a, **kw: calls.append(kw) or path(*a, **kw))
+    ref = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl="xla")), np.float32)
+    ex = layer.experts
+    for scale_max in (None, max(int(np.asarray(a).max()) for a in (ex.w1_scale, ex.w3_scale, ex.w2_scale))):
+        got = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl="pallas", expert_scale_max=scale_max)), np.float32)
+        assert calls and calls[-1] == {"scale_max": scale_max}, "the prefill did not take the Mosaic GPU path"
+        assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), scale_max
+
+
 @pytest.mark.parametrize("n,k,kind,scale_max,swar", [(600, 4, "random", None, False), (600, 4, "random", 126, False),
                                                      (300, 4, "skewed", 126, False), (800, 1, "one_expert", None, False),
                                                      (257, 4, "random", 126, False), (600, 4, "random", None, True),
