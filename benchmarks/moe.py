@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kimik3_jax.checkpoint.open import expert_scale_max
 from kimik3_jax.mxfp4 import dequantize
 from kimik3_jax.ops.common import situ
 from kimik3_jax.ops.moe import routed_experts
@@ -295,7 +296,7 @@ def main():
     RESULTS["copy_tb_s"] = copy_bandwidth(2 ** 20 if args.small else 2 ** 30)
     log("copy bandwidth TB/s", RESULTS["copy_tb_s"])
     ex = jax.block_until_ready(_random_experts(jax.random.PRNGKey(0), E))
-    scale_max = max(int(jnp.max(s)) for s in (ex.w1_scale, ex.w3_scale, ex.w2_scale))  # as Runtime.expert_scale_max
+    scale_max = expert_scale_max(ex)  # as the loader sets Runtime.expert_scale_max
     RESULTS["meta"]["expert_scale_max"] = scale_max
     mgpu = not args.no_mgpu and (jax.devices()[0].platform == "gpu" or MGPU_MATMUL is not None) and rm.fits(L, F)
     log("experts generated; largest scale byte", scale_max, "; Mosaic GPU prefill rows:", mgpu)

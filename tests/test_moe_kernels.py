@@ -9,6 +9,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from kimik3_jax import mxfp4
+from kimik3_jax.checkpoint.open import expert_scale_max
 from kimik3_jax.config import Runtime
 from kimik3_jax.errors import ConfigError
 from kimik3_jax.ops import impl
@@ -300,8 +301,7 @@ def test_latent_moe_through_the_switch(scale_max, monkeypatch):
     choice, the same result)."""
     cfg, layer, x = bf16_moe_layer()
     if scale_max == "true":
-        ex = layer.experts
-        scale_max = max(int(np.asarray(a).max()) for a in (ex.w1_scale, ex.w3_scale, ex.w2_scale))
+        scale_max = expert_scale_max(layer.experts)
         assert scale_max <= dec.QUICK_MAX_SCALE  # so the kernels run asm1-unchecked's stand-in
     cfg = cfg.with_runtime(expert_scale_max=scale_max)
     asked = []  # the decoders the kernels ask for

@@ -34,16 +34,15 @@ def load_checkpoint(directory: str | Path, *, text_only: bool = True, shardings:
     device), one `jax.sharding.Sharding` for every leaf, or a tree of them matching the parameters.
     `dtype`: the compute dtype (`cast_params`; None or bfloat16 keep the stored dtypes)."""
     cfg, params = _load(Path(directory), text_only, shardings)
-    cfg = cfg.with_runtime(expert_scale_max=expert_scale_max(params))
+    cfg = cfg.with_runtime(expert_scale_max=expert_scale_max(params.text.moe.experts))
     return cfg, params if dtype is None else cast_params(params, dtype)
 
 
-def expert_scale_max(params: Params) -> int | None:
-    """The largest E8M0 scale byte of the packed routed experts (stacked over the MoE layers: three
-    reductions), or None where there are none (dequantised experts, or no MoE layer)."""
+def expert_scale_max(ex) -> int | None:
+    """The largest E8M0 scale byte of packed routed experts (one layer's, or stacked over the MoE layers:
+    three reductions), or None where there are none (dequantised or empty experts)."""
     import jax.numpy as jnp
 
-    ex = params.text.moe.experts
     if not isinstance(ex, ExpertParams) or not ex.w1_scale.size:
         return None
     return max(int(jnp.max(a)) for a in (ex.w1_scale, ex.w3_scale, ex.w2_scale))

@@ -101,6 +101,14 @@ def test_compiled_latent_moe_through_the_switch():
         assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), impl
 
 
+def _spy_mosaic_gpu_path(monkeypatch) -> list:
+    """Records the keyword arguments of each call the switch makes to the Mosaic GPU path (and runs it)."""
+    from pallas_kernels.moe import routed_mgpu
+    calls, path = [], routed_mgpu.routed_experts_mgpu
+    monkeypatch.setattr(kern.mgpu, "routed_experts_mgpu", lambda *a, **kw: calls.append(kw) or path(*a, **kw))
+    return calls
+
+
 def test_compiled_latent_moe_prefill_takes_the_mosaic_gpu_path(monkeypatch):
     """The whole latent MoE layer, impl="pallas", at a latent width the Mosaic GPU kernels take (256; the
     tiny preset's expert width is 256) and 600 tokens (2400 pairs on 16 experts: the prefill regime): the
@@ -108,16 +116,14 @@ def test_compiled_latent_moe_prefill_takes_the_mosaic_gpu_path(monkeypatch):
     scale byte known (the quick decode) and not."""
     import dataclasses
 
+    from kimik3_jax.checkpoint.open import expert_scale_max
     from kimik3_jax.presets import preset
-    from pallas_kernels.moe import routed_mgpu
     base = preset("tiny")
     cfg, layer, x = cpu.bf16_moe_layer(dataclasses.replace(base, moe=dataclasses.replace(base.moe, latent_width=256)),
                                        batch=4, length=150)
-    calls, path = [], routed_mgpu.routed_experts_mgpu
-    monkeypatch.setattr(kern.mgpu, "routed_experts_mgpu", lambda *a, **kw: calls.append(kw) or path(*a, **kw))
+    calls = _spy_mosaic_gpu_path(monkeypatch)
     ref = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl="xla")), np.float32)
-    ex = layer.experts
-    for scale_max in (None, max(int(np.asarray(a).max()) for a in (ex.w1_scale, ex.w3_scale, ex.w2_scale))):
+    for scale_max in (None, expert_scale_max(layer.experts)):
         got = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl="pallas", expert_scale_max=scale_max)), np.float32)
         assert calls and calls[-1] == {"scale_max": scale_max}, "the prefill did not take the Mosaic GPU path"
         assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), scale_max
@@ -140,8 +146,7 @@ def test_compiled_mosaic_gpu_prefill_equals_pure_op(n, k, kind, scale_max, swar,
     rng = np.random.default_rng([n, k, len(kind), 3])
     xl, idx, w, experts = wg_cpu._routed_case(rng, n, k, kind, num=16, width=256, latent=256)
     monkeypatch.setitem(routed_mgpu.TUNING, "swar", swar)
-    calls, path = [], routed_mgpu.routed_experts_mgpu
-    monkeypatch.setattr(kern.mgpu, "routed_experts_mgpu", lambda *a, **kw: calls.append(1) or path(*a, **kw))
+    calls = _spy_mosaic_gpu_path(monkeypatch)
     got = kern.routed_experts(xl, idx, w, experts, cpu.BETA, cpu.LINEAR_BETA, prefill_kernels="mgpu", interpret=False,
                               scale_max=scale_max)
     assert calls, "the switch did not pick the Mosaic GPU path"
