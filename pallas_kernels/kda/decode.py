@@ -59,8 +59,7 @@ from pallas_kernels.kda.decode_split import decode_split
 # is the faster (7.3 against 8.4 us, fewer launches), so it stays below SPLIT_FROM. Those split times left the
 # XLA norm out (dead code in the benchmark's loop); with it (2026-12-06, H100): 164.0 against 165.2 at N = 32,
 # 1226.4 against 1267.0 at N = 256.
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None,
-              prologue_heads=1)
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None)
 SPLIT_FROM = 32
 
 
@@ -70,6 +69,7 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
     slot = slots_ref[n]
     active = lens_ref[n] > 0
+    cs = pl.ds(h * dk, dk)
     row = slot if in_place else n  # the tails' row: the slot of the aliased pool, or this row of a fresh output
     # The state's load is issued first, so that its latency overlaps the conv prologue's loads and
     # arithmetic, and every store comes after the last load (a store issued earlier would keep the state
@@ -84,8 +84,8 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     s, o = _state_step(s0, q, k, v, g, beta)
     o_ref[n, h, :] = _gated_norm(o, nw_ref, gate_ref[n, h, :], eps).astype(o_ref.dtype)
     plt.store(s_out.at[slot, h, :, :], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, dv)))
-    for idx, t in tails:  # after every load (the pools may alias)
-        tails_out[(row,) + idx] = t
+    for j, r, t in tails:  # after every load (the pools may alias)
+        tails_out[row, j, r, cs] = t
 
 
 def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
@@ -106,7 +106,7 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     cols = pl.ds(t * bv, bv)
 
     def conv(j, chans, size):
-        return _conv(conv_ref, qkv_ref, w_ref, slot, n, j, (chans,), (size,))
+        return _conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size)
 
     def store_tails(j, chans, hist, size):  # the tail moves by one token (an inactive row keeps its tail)
         keep = jnp.broadcast_to(active, (size,))

@@ -21,24 +21,18 @@ def grid(nb: int, nh: int, heads_fastest: bool, tiles: tuple = ()):
 
 
 def head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
-    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head), q and
-    k [K] with h the head; or of a block of heads, q and k [HB, K] with h a `pl.ds` over the heads (beta then
-    [HB, 1]). An inactive row gets g = 0 and beta = 0 (its state stays as it is)."""
+    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head);
+    an inactive row gets g = 0 and beta = 0 (its state stays as it is)."""
     f32 = jnp.float32
-    dk = q.shape[-1]
-    blocked = q.ndim > 1
-
-    def per_head(x):  # a block's [HB] values as a column against its [HB, K] rows
-        return x[:, None] if blocked else x
-
+    dk = q.shape[0]
     if qk_norm:
-        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=blocked) + L2_EPS) * dk ** -0.5
-        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=blocked) + L2_EPS)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
     g = g_ref[n, h, :].astype(f32)
     if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(per_head(alog_ref[h].astype(f32))) * g)
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
     g = jnp.where(active, g, 0.0)
-    beta = jnp.where(active, per_head(b_ref[n, h].astype(f32)), 0.0)
+    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
     return q, k, g, beta
 
 
@@ -49,41 +43,33 @@ def gated_norm(o, nw_ref, gate_row, eps):
     return o * jax.nn.sigmoid(gate_row.astype(f32))
 
 
-def conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, shape):
-    """The channels `chans` (an index tuple: one `pl.ds` over the H*K channels, or (heads, slice(None)) over
-    [H, K] views of the refs) of projection j of row n: the causal conv over the slot's tail and the new
+def conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size):
+    """Channel block `chans` of projection j of row n: the causal conv over the slot's tail and the new
     token, SiLU, rounded to the activation dtype as the reference does; and the conv's history (tail + token)."""
     f32 = jnp.float32
     width = w_ref.shape[-1]
-    hist = [conv_ref[(slot, j, r) + chans] for r in range(width - 1)] + [qkv_ref[(n, j) + chans]]
-    y = jnp.zeros(shape, f32)
+    hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [qkv_ref[n, j, chans]]
+    y = jnp.zeros((size,), f32)
     for r in range(width):
-        y = y + hist[r].astype(f32) * w_ref[(j,) + chans + (r,)].astype(f32)
+        y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
     return jax.nn.silu(y).astype(qkv_ref.dtype).astype(f32), hist
 
 
 def head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_dtype, *, slot, n, h, dk, active,
-                lower_bound, gate, qk_norm, hb=None):
-    """One (sequence, head)'s q, k, v [K] (conv + SiLU over the slot's tails), gate and beta (`head_prologue`),
-    the refs' channels flat (H*K); or, with `hb`, those of the block of hb heads from head h * hb, [HB, K] each,
-    the refs viewed as [..., H, K]. Also the new conv tails of its q, k, v channels as (index past the pool's
-    row, tile) for the caller to store after its last load: each tail moves by one token, and an inactive row
-    keeps its tail."""
+                lower_bound, gate, qk_norm):
+    """One (sequence, head)'s q, k, v (conv + SiLU over the slot's tails), gate and beta (`head_prologue`),
+    and the new conv tails of its q, k, v channels as (projection, row, tile) for the caller to store after
+    its last load: each tail moves by one token, and an inactive row keeps its tail."""
     width = w_ref.shape[-1]
-    if hb is None:
-        heads, chans, shape = h, (pl.ds(h * dk, dk),), (dk,)
-    else:
-        heads = pl.ds(h * hb, hb)
-        chans, shape = (heads, slice(None)), (hb, dk)
-    keep = jnp.broadcast_to(active, shape)
+    chans = pl.ds(h * dk, dk)
+    keep = jnp.broadcast_to(active, (dk,))
     ys, tails = [], []
     for j in range(3):
-        y, hist = conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, shape)
+        y, hist = conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, dk)
         ys.append(y)
-        tails += [((j, r) + chans, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_dtype))
-                  for r in range(width - 1)]
+        tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_dtype)) for r in range(width - 1)]
     q, k, v = ys
-    q, k, g, beta = head_prologue(q, k, g_ref, b_ref, alog_ref, n, heads, active, lower_bound, gate, qk_norm)
+    q, k, g, beta = head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
     return q, k, v, g, beta, tails
 
 

@@ -1,9 +1,8 @@
 """The KDA decode step in three launches (`kda_decode(..., tuning=dict(split=True, block_v=B))`), fla's layout:
 
-1. `_prologue_kernel`, one program per (sequence, block of heads: `prologue_heads`): the q/k/v causal conv
-   + SiLU over the slot's tails, the gate, the q/k L2 norm and beta (the fused kernel's prologue, the same code
-   on [heads, K] tiles), written as fp32 rows [N, H, 5, K]: q, k, v, the log decay g, and beta repeated along
-   the row; the new conv tails in place.
+1. `_prologue_kernel`, one program per (sequence, head): the q/k/v causal conv + SiLU over the slot's tails,
+   the gate, the q/k L2 norm and beta (the fused kernel's prologue, the same code), written as fp32 rows
+   [N, H, 5, K]: q, k, v, the log decay g, and beta repeated along the row; the new conv tails in place.
 2. `_state_kernel`, one program per (value tile, sequence, head): the decay, the delta-rule update and the
    read on a [K, B] slice of the state, in place, and its un-normed fp32 output slice.
 3. The gated RMSNorm over V, by XLA (`kimik3_jax.ops.kda.gated_output_norm`, the op's own function).
@@ -32,27 +31,17 @@ PRE_ROWS = 5  # q, k, v, g, beta
 
 
 def _prologue_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, g_ref, b_ref, pre_ref, tails_out, *,
-                     hb, lower_bound, gate, qk_norm, ids):
-    n, hblk = ids()
+                     lower_bound, gate, qk_norm, ids):
+    n, h = ids()
     dk = pre_ref.shape[-1]
     slot = slots_ref[n]
     q, k, v, g, beta, tails = head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_out.dtype,
-                                          slot=slot, n=n, h=hblk, dk=dk, hb=hb, active=lens_ref[n] > 0,
+                                          slot=slot, n=n, h=h, dk=dk, active=lens_ref[n] > 0,
                                           lower_bound=lower_bound, gate=gate, qk_norm=qk_norm)
-    heads = pl.ds(hblk * hb, hb)
-    for i, x in enumerate((q, k, v, g, jnp.broadcast_to(beta, (hb, dk)))):
-        pre_ref[n, heads, i, :] = x
-    for idx, t in tails:  # after every load of the tails (the pool is aliased)
-        tails_out[(slot,) + idx] = t
-
-
-def prologue_heads(tuning: dict, nh: int) -> int:
-    """The prologue's heads per program: the largest power of two up to tuning["prologue_heads"] dividing H."""
-    want = max(1, int(tuning.get("prologue_heads") or 1))
-    hb = 1
-    while hb * 2 <= want and nh % (hb * 2) == 0:
-        hb *= 2
-    return hb
+    for i, x in enumerate((q, k, v, g, jnp.broadcast_to(beta, (dk,)))):
+        pre_ref[n, h, i, :] = x
+    for j, r, t in tails:  # after every load of the tails (the pool is aliased)
+        tails_out[slot, j, r, pl.ds(h * dk, dk)] = t
 
 
 def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids):
@@ -71,24 +60,16 @@ def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids)
 
 def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tuning, interpret, lower_bound,
              gate_on, qk_norm):
-    """Launch 1: -> (pre [N, H, PRE_ROWS, K] fp32, conv_pool with the new tails in place). One program per
-    sequence and block of `prologue_heads(tuning, H)` heads; the kernel sees the channels as [H, K] (free
-    reshapes of the arguments and of the aliased pool)."""
+    """Launch 1: -> (pre [N, H, PRE_ROWS, K] fp32, conv_pool with the new tails in place)."""
     nb, nh = qkv.shape[0], qkv.shape[-1] // dk
-    hb = prologue_heads(tuning, nh)
-    head_grid, head_ids = grid(nb, nh // hb, tuning["heads_fastest"])
-    pool_shape = conv_pool.shape
-    pre, conv_pool = pl.pallas_call(
-        functools.partial(_prologue_kernel, hb=hb, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm,
-                          ids=head_ids),
+    head_grid, head_ids = grid(nb, nh, tuning["heads_fastest"])
+    return pl.pallas_call(
+        functools.partial(_prologue_kernel, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm, ids=head_ids),
         out_shape=(jax.ShapeDtypeStruct((nb, nh, PRE_ROWS, dk), jnp.float32),
-                   jax.ShapeDtypeStruct(pool_shape[:-1] + (nh, dk), conv_pool.dtype)),
+                   jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
         grid=head_grid, input_output_aliases={5: 1}, interpret=interpret, name="kda_decode_prologue",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
-    )(slots, lens, a_log_arr, qkv.reshape(qkv.shape[:-1] + (nh, dk)),
-      conv_w.reshape(conv_w.shape[:1] + (nh, dk) + conv_w.shape[-1:]),
-      conv_pool.reshape(pool_shape[:-1] + (nh, dk)), g, beta)
-    return pre, conv_pool.reshape(pool_shape)
+    )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, g, beta)
 
 
 def state(slots, lens, pre, s_pool, *, bv, tuning, interpret):
