@@ -60,8 +60,7 @@ def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids)
 
 def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tuning, interpret, lower_bound,
              gate_on, qk_norm):
-    """Launch 1: -> (pre [N, H, PRE_ROWS, K] fp32, conv_pool with the new tails in place). Its programs take
-    tuning["prologue_warps"] warps (None: num_warps, the state kernel's)."""
+    """Launch 1: -> (pre [N, H, PRE_ROWS, K] fp32, conv_pool with the new tails in place)."""
     nb, nh = qkv.shape[0], qkv.shape[-1] // dk
     head_grid, head_ids = grid(nb, nh, tuning["heads_fastest"])
     return pl.pallas_call(
@@ -69,7 +68,7 @@ def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tun
         out_shape=(jax.ShapeDtypeStruct((nb, nh, PRE_ROWS, dk), jnp.float32),
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
         grid=head_grid, input_output_aliases={5: 1}, interpret=interpret, name="kda_decode_prologue",
-        compiler_params=compiler_params(tuning.get("prologue_warps") or tuning["num_warps"], tuning["num_stages"]),
+        compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
     )(slots, lens, a_log_arr, qkv, conv_w, conv_pool, g, beta)
 
 

@@ -5,7 +5,7 @@ in TB/s. The whole step is `benchmarks/kda.py --only decode`. (First run 2026-12
 twenty-first session; its norm line then came from one call at a time, which measured the host's dispatch.)
 
     PYTHONPATH=$PWD python3 tests/gpu/probe_kda_decode_parts.py          # N = 32, 256
-    KDA_PARTS_N=32 KDA_PARTS_BV=128,32 KDA_PARTS_WARPS=4,1 python3 tests/gpu/probe_kda_decode_parts.py
+    KDA_PARTS_N=32 KDA_PARTS_BV=128,32 python3 tests/gpu/probe_kda_decode_parts.py
 """
 import os
 import sys
@@ -21,7 +21,6 @@ from pallas_kernels.kda import decode_split as split  # noqa: E402
 
 NS = [int(n) for n in os.environ.get("KDA_PARTS_N", "32,256").split(",")]
 BVS = [int(b) for b in os.environ.get("KDA_PARTS_BV", "128,32").split(",")]
-WARPS = [int(w) for w in os.environ.get("KDA_PARTS_WARPS", "4,2,1").split(",")]  # the prologue's warps a program
 H, STEPS = 96, 100
 
 
@@ -31,13 +30,11 @@ def main():
     for n in NS:
         qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, H)
         lens = jax.numpy.ones((n,), jax.numpy.int32)
-        kw = dict(interpret=False, lower_bound=-5.0, gate_on=True, qk_norm=True)
-        for w in WARPS:
-            pro = lambda cp, sp, w=w: (*split.prologue(qkv, conv_w, cp, slots, z, beta, lens, a_log, dk=DK,
-                                                      tuning=dict(t, prologue_warps=w), **kw), sp)
-            pre, _, _ = jax.jit(pro)(conv_pool, s_pool)
-            us = 1e3 * decode_step_ms(pro, conv_pool, s_pool, STEPS)[0]
-            print(f"N = {n}: prologue, {w} warps a program: {us:.1f} us", flush=True)
+        kw = dict(tuning=t, interpret=False, lower_bound=-5.0, gate_on=True, qk_norm=True)
+        pro = lambda cp, sp: (*split.prologue(qkv, conv_w, cp, slots, z, beta, lens, a_log, dk=DK, **kw), sp)
+        pre, _, _ = jax.jit(pro)(conv_pool, s_pool)
+        us = 1e3 * decode_step_ms(pro, conv_pool, s_pool, STEPS)[0]
+        print(f"N = {n}: prologue {us:.1f} us", flush=True)
         o_raw = None
         for bv in BVS:
             st = lambda cp, sp, bv=bv: (lambda o, s: (o, cp, s))(
