@@ -51,7 +51,7 @@ from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed as kern
 from pallas_kernels.moe import routed_mgpu as rm
 from pallas_kernels.moe.kernels import TileConfig, down, gate_up
-from timing import device_seconds  # benchmarks/timing.py (this script's directory is on sys.path)
+from timing import copy_tbps, device_seconds  # benchmarks/timing.py (this script's directory is on sys.path)
 
 E, K_TOP, L, F = 896, 16, 3584, 3072
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -75,14 +75,6 @@ def timeit(fn, *args, reps=None):
     """Device seconds per call (`timing.device_seconds`: back-to-back batches, the host's costs cancelling;
     3 pairs of batches by default, as the time budgets of the sweeps were set for about 7 calls per timing)."""
     return device_seconds(fn, *args, reps=reps or 3)
-
-
-def copy_bandwidth(size=2 ** 30):
-    x = jnp.ones((size,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    s = device_seconds(f, x, calls=3)  # at most 6 queued 4 GiB outputs
-    del x
-    return 2 * 4 * size / s / 1e12
 
 
 @partial(jax.jit, static_argnums=(1,))
@@ -293,7 +285,7 @@ def main():
             log("torch peer failed", ex)
         save(args.out)
 
-    RESULTS["copy_tb_s"] = copy_bandwidth(2 ** 20 if args.small else 2 ** 30)
+    RESULTS["copy_tb_s"] = copy_tbps(2 ** 20 if args.small else 2 ** 30)
     log("copy bandwidth TB/s", RESULTS["copy_tb_s"])
     ex = jax.block_until_ready(_random_experts(jax.random.PRNGKey(0), E))
     scale_max = expert_scale_max(ex)  # as the loader sets Runtime.expert_scale_max
