@@ -18,6 +18,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def device_seconds(fn, *args, calls: int | None = None, reps: int = 5, batch_s: float = 0.02,
@@ -46,8 +47,6 @@ def device_seconds(fn, *args, calls: int | None = None, reps: int = 5, batch_s: 
 def copy_tbps(size: int = 2 ** 30) -> float:
     """The device's copy bandwidth in TB/s: an XLA elementwise pass over `size` fp32 (read + write), timed by
     `device_seconds`; the ceiling that the benchmarks' bandwidth-bound rates are read against."""
-    import jax.numpy as jnp
-
     x = jnp.ones((size,), jnp.float32)
     s = device_seconds(jax.jit(lambda a: a + 1.0), x, calls=3)  # at most 6 queued outputs of 4 GiB
     del x

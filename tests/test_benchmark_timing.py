@@ -1,5 +1,6 @@
 """benchmarks/timing.py: the device-time timer's batches (the counts of calls, the difference of two batches)
-and its result's units, with a host clock that is faked so that the arithmetic is checked exactly."""
+and its result's units, with a host clock that is faked so that the arithmetic is checked exactly; the copy
+bandwidth's and the KDA decode's byte counts; the KDA benchmark's decode loop."""
 import importlib.util
 from pathlib import Path
 
@@ -51,18 +52,39 @@ def test_every_benchmark_and_gpu_script_compiles():
         compile(path.read_text(), str(path), "exec")
 
 
-def test_decode_steps_loop_carries_the_output_so_none_of_a_step_is_dead_code(monkeypatch):
-    """benchmarks/kda.py times decode steps in a loop; a step's output computed by XLA (the split decode's
-    norm) must stay in the loop. Here the output is a sqrt of the carried counter: the loop returns the last
-    step's output, and the compiled loop still computes it (a loop carrying the pools only drops the sqrt)."""
+def _kda_benchmark(monkeypatch):
     import sys
-
-    import jax
     monkeypatch.setitem(sys.modules, "timing", timing)
     spec = importlib.util.spec_from_file_location(
         "benchmarks_kda", Path(__file__).resolve().parents[1] / "benchmarks" / "kda.py")
     kda = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kda)
+    return kda
+
+
+def test_copy_tbps_counts_a_read_and_a_write_per_element(monkeypatch):
+    monkeypatch.setattr(timing, "device_seconds", lambda fn, x, calls: 1e-3)
+    assert abs(timing.copy_tbps(2 ** 20) - 2 * 4 * 2 ** 20 / 1e-3 / 1e12) < 1e-12
+
+
+def test_decode_step_bytes_counts_states_tails_inputs_and_output(monkeypatch):
+    """At K3's widths (H = 96, K = V = 128, conv width 4, bf16 tails and projections, fp32 states, gate and
+    beta) a row's step moves its 64 KiB-a-head state twice, 3 x 3 tail rows of H*K twice, and its inputs and
+    output once: counted here by hand."""
+    kda = _kda_benchmark(monkeypatch)
+    n, h, c = 2, 96, 96 * 128
+    qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = kda.decode_inputs(n, h)
+    want = n * (2 * h * 128 * 128 * 4 + 2 * 3 * 3 * c * 2 + 3 * c * 2 + h * 128 * 4 + h * 4 + h * 128 * 4
+                + h * 128 * 2)
+    assert kda.decode_step_bytes(qkv, conv_pool, s_pool, z, beta, gate) == want
+
+
+def test_decode_steps_loop_carries_the_output_so_none_of_a_step_is_dead_code(monkeypatch):
+    """benchmarks/kda.py times decode steps in a loop; a step's output computed by XLA (the split decode's
+    norm) must stay in the loop. Here the output is a sqrt of the carried counter: the loop returns the last
+    step's output, and the compiled loop still computes it (a loop carrying the pools only drops the sqrt)."""
+    import jax
+    kda = _kda_benchmark(monkeypatch)
     step = lambda cp, sp: (jnp.sqrt(cp + sp), cp + 1.0, sp)  # noqa: E731
     loop = kda.steps_loop(step, 3)
     o, cp, sp = loop(jnp.zeros(4), jnp.full(4, 2.0))
