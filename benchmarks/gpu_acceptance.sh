@@ -2,9 +2,9 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmr (default 1234), e.g. "13", "25", "4"
-# Next (docs/benchmarks.md, "Still to run"): "0" on an H200 (the KDA decode with the output carried through the
-# timing loop: the split's norm had gone untimed), then tests/gpu/probe_kda_decode_parts.py. Done 2026-12-06
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmpr (default 1234), e.g. "13", "25", "4"
+# Next (docs/benchmarks.md, "Still to run"): "0" and "p" on an H200 (the KDA decode with the output carried through
+# the timing loop and the copy bandwidth of the same run; the split's launches alone, the state kernel's tunings). Done 2026-12-06
 # (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's bytes), "r"'s tests (8 passed,
 # the layer-level test included). Done 2026-12-06 (twenty-first session): "r" (H100: 7 tests passed; quick + swar 1.30x the Triton path: the prefill default
 # now), "m" and "4" (H200: quick/swar right over bytes 0..128; 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r"
@@ -45,6 +45,12 @@ case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check in
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k decode
   step 0-kda-decode-bench ${LIMIT_0b:-360} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
     --decode-tunings "$KDA_DECODE_CANDIDATES" ;;
+esac
+case $STEPS in *p*)  # the split KDA decode's launches alone (prologue, state kernel at KDA_PARTS_STATE's tunings
+  # with the copy bandwidth of the same run, the XLA norm) at N = 32 and 256: why the H200 reads less of its copy
+  [ -n "${KDA_PARTS_STATE:-}" ] || KDA_PARTS_STATE='[{}, {"block_v": 32}, {"block_v": 32, "num_warps": 2},
+    {"block_v": 16, "num_warps": 1}, {"num_warps": 8}, {"heads_fastest": false}]'
+  export KDA_PARTS_STATE; step p-kda-decode-parts ${LIMIT_p:-300} python3 -u tests/gpu/probe_kda_decode_parts.py ;;
 esac
 case $STEPS in *r*)  # the routed experts on Mosaic GPU: compiled through the switch against the pure op (uneven,
   # empty, one-expert routing), then timed against the Triton whole path at 4096 and 16384 tokens

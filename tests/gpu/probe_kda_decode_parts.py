@@ -6,7 +6,15 @@ twenty-first session; its norm line then came from one call at a time, which mea
 
     PYTHONPATH=$PWD python3 tests/gpu/probe_kda_decode_parts.py          # N = 32, 256
     KDA_PARTS_N=32 KDA_PARTS_BV=128,32 python3 tests/gpu/probe_kda_decode_parts.py
+    KDA_PARTS_STATE='[{"block_v": 32, "num_warps": 2}, {"block_v": 16, "num_warps": 1}]' python3 tests/gpu/...
+
+The state kernel is timed at each of KDA_PARTS_STATE's tunings (a JSON list of overrides of the default: block_v,
+num_warps, heads_fastest; default: block_v from KDA_PARTS_BV), its output and states checked against the first
+tuning's, and its rate given as a share of the copy bandwidth measured in the same run (`timing.copy_tbps`).
+The question it is for (docs/benchmarks.md, "Still to run"): the state kernel moves its bytes at 93% of copy
+on the H100 (twenty-second session) while the whole step reached about 77% on the H200 (eighteenth).
 """
+import json
 import os
 import sys
 
@@ -14,6 +22,7 @@ sys.path.insert(0, "benchmarks")
 import jax  # noqa: E402
 
 from kda import DK, DV, decode_inputs, decode_step_ms  # noqa: E402
+from timing import copy_tbps  # noqa: E402
 
 from kimik3_jax.ops.kda import gated_output_norm  # noqa: E402
 from pallas_kernels.kda import decode as pdecode  # noqa: E402
@@ -21,11 +30,14 @@ from pallas_kernels.kda import decode_split as split  # noqa: E402
 
 NS = [int(n) for n in os.environ.get("KDA_PARTS_N", "32,256").split(",")]
 BVS = [int(b) for b in os.environ.get("KDA_PARTS_BV", "128,32").split(",")]
+STATE_TUNINGS = json.loads(os.environ.get("KDA_PARTS_STATE", "null")) or [{"block_v": bv} for bv in BVS]
 H, STEPS = 96, 100
 
 
 def main():
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+    copy = copy_tbps()
+    print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     t = dict(pdecode.TUNING)
     for n in NS:
         qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w, a_log = decode_inputs(n, H)
@@ -35,14 +47,19 @@ def main():
         pre, _, _ = jax.jit(pro)(conv_pool, s_pool)
         us = 1e3 * decode_step_ms(pro, conv_pool, s_pool, STEPS)[0]
         print(f"N = {n}: prologue {us:.1f} us", flush=True)
-        o_raw = None
-        for bv in BVS:
-            st = lambda cp, sp, bv=bv: (lambda o, s: (o, cp, s))(
-                *split.state(slots, lens, pre, sp, bv=bv, tuning=t, interpret=False))
-            o_raw = jax.jit(st)(conv_pool, s_pool)[0]
+        first = None
+        for over in STATE_TUNINGS:
+            ts = dict(t, **over)
+            bv = pdecode.block_v_of(ts, DV)
+            st = lambda cp, sp, ts=ts, bv=bv: (lambda o, s: (o, cp, s))(
+                *split.state(slots, lens, pre, sp, bv=bv, tuning=ts, interpret=False))
+            o_raw, _, s_new = jax.jit(st)(conv_pool, s_pool)
+            first = first or (o_raw, s_new)
+            diff = max(float(jax.numpy.max(abs(a - b))) for a, b in zip((o_raw, s_new), first))
             us = 1e3 * decode_step_ms(st, conv_pool, s_pool, STEPS)[0]
-            print(f"N = {n}: state, block_v {bv}: {us:.1f} us, {2 * n * H * DK * DV * 4 / us / 1e6:.2f} TB/s",
-                  flush=True)
+            tbps = 2 * n * H * DK * DV * 4 / us / 1e6
+            print(f"N = {n}: state, {over}: {us:.1f} us, {tbps:.2f} TB/s ({tbps / copy:.0%} of copy; "
+                  f"output and states vs the first: {diff:.1e})", flush=True)
         # the norm of a fixed output, made to depend on the loop's state so that XLA cannot hoist it out
         nm = lambda cp, sp, o_raw=o_raw: (gated_output_norm(o_raw + 0.0 * sp[0, 0, 0, 0], norm_w, gate, 1e-5,
                                                             qkv.dtype), cp, sp)
