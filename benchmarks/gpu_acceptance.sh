@@ -3,11 +3,11 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmpr (default 1234), e.g. "13", "25", "4"
-# Next (docs/benchmarks.md, "Still to run"): "0" and "p" on an H200 (the KDA decode with the output carried through
-# the timing loop and the copy bandwidth of the same run; the split's launches alone, the state kernel's tunings). Done 2026-12-06
-# (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's bytes), "r"'s tests (8 passed,
-# the layer-level test included). Done 2026-12-06 (twenty-first session): "r" (H100: 7 tests passed; quick + swar 1.30x the Triton path: the prefill default
-# now), "m" and "4" (H200: quick/swar right over bytes 0..128; 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r"
+# Next (docs/benchmarks.md, "Still to run"): "0" and "p" on an H200 (the KDA decode with the output carried
+# through the timing loop and the copy bandwidth of the same run; the split's launches alone, the state kernel's
+# tunings). Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's
+# bytes), "r"'s tests (8 passed, the layer-level test included). Done 2026-12-06 (twenty-first session): "r"
+# (H100: 7 tests passed; quick + swar 1.30x the Triton path: the prefill default now), "m" and "4" (H200: quick/swar right over bytes 0..128; 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r"
 # (glue 27 -> 12 ms, down's 2 row blocks: 1.14-1.20x the Triton path). Done 2026-12-05 (eighteenth session, H200): "r" (right; 0.85x the Triton path, the glue), "8" (2.41 TB/s, 56% of
 # copy: issue-bound), "0" (split default). Done 2026-12-05 (seventeenth session, H100): "0" (split decode, now the default from
 # N = 32), "c" (the checkpoint branch: slower, reverted), "m" (the one-expert Mosaic GPU GEMM: right, 361 TFLOP/s).
