@@ -20,7 +20,7 @@ from pallas_kernels.moe import decode as dec
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe import routed as kern
 from pallas_kernels.moe import kernels as kern_mod
-from pallas_kernels.moe.kernels import TileConfig, Tiles, check_tiles, permute_columns, permute_pairs, split_columns
+from pallas_kernels.moe.kernels import TileConfig, Tiles, check_tiles, split_columns
 
 E, F, L = 16, 128, 64  # experts, expert width, latent width
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -115,13 +115,10 @@ def test_kernel_equals_pure_op(config, n, k, kind):
 # and the tiles-first launch order (with the uneven routing only), each in both regimes: the same op, so
 # the same tolerance against the pure op. None is a default: the default suite runs each with the uneven
 # routing, and the other routings and tiles-first are marked slow.
-VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=split, n_first=n_first,
-                                                          k_perm=k_perm),) * 2)
+VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=split, n_first=n_first),) * 2)
             for regime, bm in (("decode", 16), ("prefill", 128))
-            for name, swap, split, n_first, k_perm in (
-                ("swap", True, False, True, False), ("split", False, True, True, False),
-                ("swap-split", True, True, True, False), ("tiles-first", False, False, False, False),
-                ("k-perm", False, False, True, True), ("swap-k-perm", True, False, True, True))}
+            for name, swap, split, n_first in (("swap", True, False, True), ("split", False, True, True),
+                                               ("swap-split", True, True, True), ("tiles-first", False, False, False))}
 VARIANT_CASES = [pytest.param(c, n, k, kind, id=f"{n}-{k}-{kind}-{name}",
                               marks=[pytest.mark.slow] if name.endswith("tiles-first") or kind != "skewed" else [])
                  for name, c in VARIANTS.items()
@@ -136,22 +133,6 @@ def test_mma_variants_equal_pure_op(config, n, k, kind):
     idx, w = _routing(rng, n, k, kind)
     xl = jnp.asarray(rng.standard_normal((n, L)), jnp.bfloat16)
     _check(xl, idx, w, experts, config)
-
-
-def test_k_perm_orders_agree():
-    """permute_pairs is its own inverse, and permute_columns moves activation column pairs exactly as
-    permute_pairs moves the packed bytes they meet (each byte holds columns 2j and 2j + 1)."""
-    cols = np.arange(64)
-    assert (np.asarray(permute_pairs(permute_pairs(jnp.asarray(cols)[None])))[0] == cols).all()
-    byte_order = np.asarray(permute_pairs(jnp.asarray(cols[:32])[None]))[0]
-    want = np.stack([2 * byte_order, 2 * byte_order + 1], axis=-1).reshape(-1)
-    assert (np.asarray(permute_columns(jnp.asarray(cols)[None]))[0] == want).all()
-    assert (byte_order[:8] == [0, 4, 8, 12, 1, 5, 9, 13]).all()
-
-
-def test_split_and_k_perm_exclude_each_other():
-    with pytest.raises(ValueError, match="down: split and k_perm are two orders of K"):
-        check_tiles("down", 64, 128, Tiles(32, 64, split=True, k_perm=True))
 
 
 def test_split_needs_whole_scale_groups_per_half():

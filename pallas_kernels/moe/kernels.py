@@ -48,7 +48,6 @@ class Tiles:
     swap: bool = False
     split: bool = False
     n_first: bool = True  # grid (N block, tile): the programs of one tile run back to back (see `_grid`)
-    k_perm: bool = False  # each scale group's 16 bytes seen 4 x 4 transposed (see `permute_pairs`)
 
     @property
     def min_bk(self) -> int:
@@ -79,36 +78,15 @@ def split_columns(a: jax.Array, bk: int) -> jax.Array:
     return a.reshape(rows, k // bk, bk // 2, 2).swapaxes(2, 3).reshape(rows, k)
 
 
-def permute_pairs(a: jax.Array) -> jax.Array:
-    """[..., C] -> [..., C], C a multiple of 16: in each block of 16 the 4 x 4 transpose (position 4i + j
-    takes position 4j + i; its own inverse). On packed bytes (`Tiles.k_perm`) the 16 bytes of one scale
-    group; on activation columns (`permute_columns`) the matching element pairs. With swap, the MMA's
-    weight operand gives each thread bytes 4 apart: after the transpose they are 4 adjacent bytes, one
-    32-bit load instead of four byte loads."""
-    *lead, c = a.shape
-    return a.reshape(*lead, c // 16, 4, 4).swapaxes(-1, -2).reshape(*lead, c)
-
-
-def permute_columns(a: jax.Array) -> jax.Array:
-    """[R, K] activation columns in the order of `permute_pairs` on their packed bytes (pairs of columns
-    move together): the dot over K is unchanged when both operands take one permutation of K."""
-    rows, k = a.shape
-    return permute_pairs(a.reshape(rows, k // 2, 2).swapaxes(1, 2)).swapaxes(1, 2).reshape(rows, k)
-
-
-def _block_product(act_ref, act_rows, w_p_ref, w_s_ref, e, n, kb, *, bk, decode, swap, split, k_perm=False):
+def _block_product(act_ref, act_rows, w_p_ref, w_s_ref, e, n, kb, *, bk, decode, swap, split):
     """One K block's product of the activation rows with expert e's decoded weight rows n: [bm, bn], or
-    [bn, bm] with swap. act columns are in `split_columns` order when split, in `permute_columns` order
-    when k_perm; decode is a `decode.Decoder`."""
+    [bn, bm] with swap. act columns are in `split_columns` order when split; decode is a `decode.Decoder`."""
     kp, ks = pl.ds(kb * (bk // 2), bk // 2), pl.ds(kb * (bk // dec.GROUP), bk // dec.GROUP)
-    packed = w_p_ref[e, n, kp]
-    if k_perm:
-        packed = permute_pairs(packed)
     if split:
-        ws = decode.halves(packed, w_s_ref[e, n, ks])
+        ws = decode.halves(w_p_ref[e, n, kp], w_s_ref[e, n, ks])
         acts = (act_ref[act_rows, pl.ds(kb * bk, bk // 2)], act_ref[act_rows, pl.ds(kb * bk + bk // 2, bk // 2)])
     else:
-        ws = (decode.full(packed, w_s_ref[e, n, ks]),)
+        ws = (decode.full(w_p_ref[e, n, kp], w_s_ref[e, n, ks]),)
         acts = (act_ref[act_rows, pl.ds(kb * bk, bk)],)
     parts = [_dot_t(w, a) if swap else _dot_t(a, w) for a, w in zip(acts, ws)]
     return sum(parts[1:], parts[0])
@@ -145,7 +123,7 @@ def _grid(tiles: int, blocks: int, n_first: bool):
 
 
 def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3p_ref, w3s_ref, h_ref, *,
-                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode, swap, split, k_perm, ids):
+                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode, swap, split, ids):
     t, j = ids()
     e = tile_expert_ref[t]
 
@@ -156,8 +134,7 @@ def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3
         zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
 
         def loop(d):
-            prod = functools.partial(_block_product, x_ref, rows, e=e, n=n, bk=bk, decode=d, swap=swap, split=split,
-                                     k_perm=k_perm)
+            prod = functools.partial(_block_product, x_ref, rows, e=e, n=n, bk=bk, decode=d, swap=swap, split=split)
 
             def step(kb, accs):
                 a1, a3 = accs
@@ -171,7 +148,7 @@ def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3
 
 
 def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_ref, *,
-                 bm, bn, bk, num_k, num_experts, decode, swap, split, k_perm, ids):
+                 bm, bn, bk, num_k, num_experts, decode, swap, split, ids):
     t, j = ids()
     e = tile_expert_ref[t]
 
@@ -180,7 +157,7 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
         slots, n = pl.ds(t * bm, bm), pl.ds(j * bn, bn)
         def loop(d):
             prod = functools.partial(_block_product, h_ref, slots, w2p_ref, w2s_ref, e, n, bk=bk, decode=d,
-                                     swap=swap, split=split, k_perm=k_perm)
+                                     swap=swap, split=split)
             return jax.lax.fori_loop(0, num_k, lambda kb, acc: acc + prod(kb),
                                      jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
 
@@ -205,8 +182,6 @@ def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
     if tiles.bk % tiles.min_bk:
         raise ValueError(f"{what}: bk={tiles.bk} must be a multiple of {tiles.min_bk}"
                          + (" (split: one scale group per half)" if tiles.split else ""))
-    if tiles.split and tiles.k_perm:
-        raise ValueError(f"{what}: split and k_perm are two orders of K; take one")
 
 
 def _decoders(what: str, name: str, tiles: Tiles, interpret: bool) -> dec.Decoder:
@@ -232,11 +207,9 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
     kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
                                num_experts=num_experts, beta=beta, linear_beta=linear_beta,
                                decode=_decoders("gate_up", decode, tiles, interpret), swap=tiles.swap,
-                               split=tiles.split, k_perm=tiles.k_perm, ids=ids)
+                               split=tiles.split, ids=ids)
     if tiles.split:
         x = split_columns(x, tiles.bk)
-    if tiles.k_perm:
-        x = permute_columns(x)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((slots, f), x.dtype), grid=grid,
         compiler_params=_CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
@@ -256,11 +229,9 @@ def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret
     grid, ids = _grid(slots // bm, latent // tiles.bn, tiles.n_first)
     kernel = functools.partial(_down_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=f // tiles.bk,
                                num_experts=num_experts, decode=_decoders("down", decode, tiles, interpret),
-                               swap=tiles.swap, split=tiles.split, k_perm=tiles.k_perm, ids=ids)
+                               swap=tiles.swap, split=tiles.split, ids=ids)
     if tiles.split:
         h = split_columns(h, tiles.bk)
-    if tiles.k_perm:
-        h = permute_columns(h)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((slots, latent), jnp.float32), grid=grid,
         compiler_params=_CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
