@@ -227,7 +227,7 @@ def measure_mgpu(ex, n, scale_max):
     """The Mosaic GPU prefill path (`routed_mgpu`, TUNING) at n tokens: its two kernels alone on one dispatch,
     and the whole path (dispatch, planes, kernels, combine)."""
     xl, idx, w = routing(n, n)
-    path = rm.stages(scale_max=scale_max, matmul_t=MGPU_MATMUL)
+    path = rm.stages(pairs=idx.size, num_experts=E, scale_max=scale_max, matmul_t=MGPU_MATMUL)
     lo = jax.jit(lambda i, ww: dsp.block_layout(i, ww, E, path.tile_t))(idx, w)
     planes = jax.jit(path.planes)(xl, lo.slot_token)
     gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))

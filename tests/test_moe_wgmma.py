@@ -142,15 +142,16 @@ def _routed_case(rng, n, k, kind, num=16, width=128, latent=64):
     return jnp.asarray(rng.standard_normal((n, latent)), jnp.bfloat16), idx, w, ExpertParams(**experts)
 
 
-@pytest.mark.parametrize("n,k,kind", [(40, 4, "skewed"), (33, 1, "one_expert"), (150, 4, "random")])
-def test_routed_glue_equals_pure_op(n, k, kind):
+@pytest.mark.parametrize("n,k,kind,tuning", [(40, 4, "skewed", dict(tile_t=16)), (33, 1, "one_expert", dict(tile_t=16)),
+                                             (150, 4, "random", dict(tile_t=16)), (150, 4, "random", None)])
+def test_routed_glue_equals_pure_op(n, k, kind, tuning):
     """The Mosaic GPU path's glue (dispatch, planes, h^T to down's planes, y^T to the weighted combine) with
     the kernel's pure-JAX reference in its place, against the pure op; fails if any plane or transpose is
-    off (checked by swapping h's planes)."""
+    off (checked by swapping h's planes). Tuning None: the tiles sized by `tile_slots`."""
     from test_moe_kernels import BETA, LINEAR_BETA, RTOL
     rng = np.random.default_rng([n, k, 7])
     xl, idx, w, experts = _routed_case(rng, n, k, kind)
-    got = rm.routed_experts_mgpu(xl, idx, w, experts, BETA, LINEAR_BETA, tuning=dict(tile_t=16),
+    got = rm.routed_experts_mgpu(xl, idx, w, experts, BETA, LINEAR_BETA, tuning=tuning,
                                  matmul_t=rm.reference_matmul_t)
     want = routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, "gathered")
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -158,6 +159,23 @@ def test_routed_glue_equals_pure_op(n, k, kind):
     assert np.isfinite(want).all() and scale.min() > 0
     err = float(np.max(np.abs(got - want) / scale))
     assert err <= RTOL, f"relative error {err:.2e}"
+
+
+def test_tile_slots_takes_the_fewest_tiles_that_cover_a_group():
+    # the sizes timed on the H100 at K3's 896 experts, top-16 (docs/benchmarks.md, twenty-third session)
+    assert [rm.tile_slots(tokens * 16, 896) for tokens in (4096, 7168, 16384)] == [96, 144, 160]
+    for mean in np.linspace(1, 2000, 997):
+        pairs = int(round(mean * 896))
+        size = rm.tile_slots(pairs, 896)
+        assert size % 16 == 0 and rm.TILE_T_MIN <= size <= rm.TILE_T_MAX
+        need = pairs / 896 + np.sqrt(pairs / 896)
+        if size > rm.TILE_T_MIN:  # not raised to the floor: no fewer tiles of at most the largest size would do
+            assert np.ceil(need / size) == np.ceil(need / rm.TILE_T_MAX)
+            assert size - 16 < need / np.ceil(need / size)  # and no smaller multiple of 16 covers it in as many
+    with pytest.raises(ValueError, match="needs pairs and num_experts"):
+        rm.stages()
+    assert rm.stages(pairs=16384 * 16, num_experts=896).tile_t == 160
+    assert rm.stages({"tile_t": 128}).tile_t == 128
 
 
 def test_reference_matmul_t_equals_dequantised_product_and_skips_unused_tiles():

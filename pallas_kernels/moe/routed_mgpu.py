@@ -17,15 +17,16 @@ Step 2's gather and the combine are XLA passes, and the E8M0 scales are transpos
 warp-specialised pipeline has no interpreter rule (tests/test_moe_wgmma.py checks this glue on the CPU with the
 kernel's pure-JAX reference, `reference_matmul_t`, in its place; tests/gpu/test_moe_gpu.py the compiled path).
 
-On the H100 (2026-12-06, twenty-first session, docs/benchmarks.md; 896 experts, top-16, K3 widths, jax 0.11.2)
-it equals the Triton path to 2.1e-4 and runs 1.30x its speed at 16384 tokens (51.6 against 67.4 ms, 335 TFLOP/s)
-with the quick decode and swar; 1.16x (58.3 ms) without either. It is the prefill regime's default
-(`routed.PREFILL_KERNELS`).
+On the H100 (2026-12-06, docs/benchmarks.md; 896 experts, top-16, K3 widths, jax 0.11.2) it equals the Triton
+path to 2.1e-4 and runs 1.59x its speed at 16384 tokens (42.3 against 67.2 ms, 409 TFLOP/s) with the quick
+decode, swar and tiles sized to the groups (`tile_slots`: 160 slots there); 1.31x with tiles of 128. It is the
+prefill regime's default (`routed.PREFILL_KERNELS`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -37,14 +38,33 @@ from kimik3_jax.ops.common import situ
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe.wgmma_mxfp4 import QUICK_MAX, grouped_mxfp4_matmul_t, token_planes, transpose_scales
 
-# tile_t: slots per tile (the dispatch's bm, wgmma's N); row_blocks: (gate+up's, down's) 128-row blocks per
-# tile. The best on the H200 at K3's widths and 16384 tokens (tests/gpu/probe_mgpu_routed.py, eighteenth
-# session): delay 1, persistent, 3 stages; tile_t 256 runs out of shared memory at 3 stages and spills at 2
-# (gate+up 332 ms). Down with 2 row blocks (H100, nineteenth): 16.8-17.1 ms against 23.8-24.0 with 1; gate+up
-# keeps 1 (2 matrices are already 2 accumulators a warpgroup); 4 row blocks exceed TMA's 256-row box. swar (the
-# nibbles' bits two per 32-bit word, H100 2026-12-06): gate+up 35.3 -> 32.4 ms, down 16.2 -> 15.9 with the quick
-# decode. The quick decode itself is not a tuning: `stages` takes it when the scale bytes allow.
-TUNING = dict(tile_t=128, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2), swar=True)
+# tile_t: slots per tile (the dispatch's bm, wgmma's N), None: by the mean group size (`tile_slots`); row_blocks:
+# (gate+up's, down's) 128-row blocks per tile. The best on the H200 at K3's widths and 16384 tokens
+# (tests/gpu/probe_mgpu_routed.py, eighteenth session): delay 1, persistent, 3 stages; tile_t 256 runs out of
+# shared memory at 3 stages and spills at 2 (gate+up 332 ms). Down with 2 row blocks (H100, nineteenth):
+# 16.8-17.1 ms against 23.8-24.0 with 1; gate+up keeps 1 (2 matrices are already 2 accumulators a warpgroup);
+# 4 row blocks exceed TMA's 256-row box. swar (the nibbles' bits two per 32-bit word, H100 2026-12-06): gate+up
+# 35.3 -> 32.4 ms, down 16.2 -> 15.9 with the quick decode. The quick decode itself is not a tuning: `stages`
+# takes it when the scale bytes allow.
+TUNING = dict(tile_t=None, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2), swar=True)
+# Bounds of `tile_slots`: above 160 slots the two accumulators a warpgroup outgrow the registers (176 ran, 4%
+# slower at 16384 tokens), and the smallest tiles waste the decode (64 at 7168 tokens: 1.43x the time of 144).
+TILE_T_MAX, TILE_T_MIN, TILE_T_STEP = 160, 64, 16
+
+
+def tile_slots(pairs: int, num_experts: int) -> int:
+    """The tile size for `pairs` token/expert pairs over `num_experts` experts (static: the call's shapes):
+    each program decodes its expert's weights once for its tile, so an expert's group should take as few
+    tiles as TILE_T_MAX allows, each as small as covers it. The group is taken as its mean size plus one
+    standard deviation of a uniform routing's (sqrt of the mean), split into the fewest tiles of at most
+    TILE_T_MAX, rounded up to a multiple of 16. K3 widths on the H100 (2026-12-06, jax 0.11.2, top-16 of
+    896, quick + swar): 16384 tokens (mean 292.6) -> 160: 42.3 ms against 51.4 with 128 (409 TFLOP/s, 1.22x);
+    4096 tokens (mean 73.1) -> 96: 16.0 ms against 18.1 (1.13x); 7168 tokens (mean 128) -> 144: 21.4 ms."""
+    mean = pairs / num_experts
+    need = mean + math.sqrt(mean)
+    tiles = math.ceil(need / TILE_T_MAX)
+    size = TILE_T_STEP * math.ceil(need / tiles / TILE_T_STEP)
+    return min(TILE_T_MAX, max(TILE_T_MIN, size))
 
 
 def fits(latent: int, width: int, tuning=None) -> bool:
@@ -92,11 +112,17 @@ class Stages(NamedTuple):
     down: Callable
 
 
-def stages(tuning=None, *, scale_max=None, matmul_t=None) -> Stages:
-    """The Mosaic GPU path's steps. `tuning`: overrides of TUNING; `scale_max`: the experts' largest scale
-    byte when known (`Runtime.expert_scale_max`): up to QUICK_MAX the kernels take the one-multiply decode;
-    `matmul_t`: the grouped GEMM (default the Mosaic GPU kernel; tests pass `reference_matmul_t`)."""
+def stages(tuning=None, *, pairs=None, num_experts=None, scale_max=None, matmul_t=None) -> Stages:
+    """The Mosaic GPU path's steps. `tuning`: overrides of TUNING; `pairs` and `num_experts`: the call's
+    token/expert pairs and experts, which set tile_t when the tuning leaves it None (`tile_slots`);
+    `scale_max`: the experts' largest scale byte when known (`Runtime.expert_scale_max`): up to QUICK_MAX the
+    kernels take the one-multiply decode; `matmul_t`: the grouped GEMM (default the Mosaic GPU kernel; tests
+    pass `reference_matmul_t`)."""
     t = {**TUNING, "quick": scale_max is not None and scale_max <= QUICK_MAX, **(tuning or {})}
+    if t["tile_t"] is None:
+        if pairs is None or num_experts is None:
+            raise ValueError("routed_mgpu.stages: tile_t None (by the group sizes) needs pairs and num_experts")
+        t["tile_t"] = tile_slots(pairs, num_experts)
     gate_up_rb, down_rb = t.pop("row_blocks")
     matmul_t = functools.partial(matmul_t or grouped_mxfp4_matmul_t, **t)
 
@@ -120,9 +146,10 @@ def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=
     layer -> [N, L] float32; `tuning`, `scale_max` and `matmul_t` as `stages` takes them."""
     if jnp.dtype(xl.dtype) != jnp.bfloat16:  # the kernel's shapes are checked by the kernel, by name
         raise ValueError(f"routed_experts_mgpu: activations must be bfloat16, got {jnp.dtype(xl.dtype)}")
-    path = stages(tuning, scale_max=scale_max, matmul_t=matmul_t)
     n, k = idx.shape
-    layout = dsp.block_layout(idx, weights, experts.w1_packed.shape[0], path.tile_t)
+    num_experts = experts.w1_packed.shape[0]
+    path = stages(tuning, pairs=n * k, num_experts=num_experts, scale_max=scale_max, matmul_t=matmul_t)
+    layout = dsp.block_layout(idx, weights, num_experts, path.tile_t)
     planes = path.planes(xl, layout.slot_token)  # [2, S, L/2]: a row gather
     h_t = path.gate_up(layout.tile_expert, planes, experts, beta, linear_beta)  # [F, S] = down's planes [2, F/2, S]
     y = path.down(layout.tile_expert, h_t, experts)  # [S, L] fp32

@@ -49,9 +49,11 @@ def main():
                 scale = np.abs(want).max(axis=-1, keepdims=True)
                 err = float(np.max(np.abs(got - want) / np.where(scale > 0, scale, 1)))
                 s = device_seconds(f, xl, idx, w, ex, calls=3)
-                path = rm.stages(tuning)
+                groups = dict(pairs=idx.size, num_experts=896)
+                path = rm.stages(tuning, **groups)
                 rb = dict(rm.TUNING, **tuning)["row_blocks"]
-                fewer = rm.stages({**tuning, "row_blocks": (rb[0], max(1, rb[1] // 2))})  # down with fewer row blocks
+                # down with fewer row blocks
+                fewer = rm.stages({**tuning, "row_blocks": (rb[0], max(1, rb[1] // 2))}, **groups)
                 lo = dsp.block_layout(idx, w, 896, path.tile_t)
                 planes = jax.jit(path.planes)(xl, lo.slot_token)
                 gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
@@ -63,7 +65,8 @@ def main():
                       f"{s_tri / s:.2f}x triton), rel. max error vs triton {err:.1e}; gate+up kernel "
                       f"{s_gu * 1e3:.3f} ms ({flops * 2 / 3 / s_gu / 1e12:.0f} TFLOP/s), down kernel {s_dn * 1e3:.3f} ms "
                       f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s; {s_dn_t * 1e3:.3f} ms with {max(1, rb[1] // 2)} row "
-                      f"blocks), glue {(s - s_gu - s_dn) * 1e3:.3f} ms; slots {planes.shape[1]}", flush=True)
+                      f"blocks), glue {(s - s_gu - s_dn) * 1e3:.3f} ms; slots {planes.shape[1]} in tiles of "
+                      f"{path.tile_t}", flush=True)
                 y = dn[0](lo.tile_expert, h_t, ex)
                 parts = {
                     "dispatch": (jax.jit(lambda i, w: dsp.block_layout(i, w, 896, path.tile_t)), idx, w),
