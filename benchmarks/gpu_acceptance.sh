@@ -3,9 +3,10 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmpr (default 1234), e.g. "13", "25", "4"
-# Next (docs/benchmarks.md, "Still to run"): "0" and "p" on an H200 (the KDA decode with the output carried
+# Next (docs/benchmarks.md, "Still to run"): "r" and "4" (the MoE prefill with tiles sized to the groups, new in
+# the twenty-third session), then "0" and "p" on an H200 (the KDA decode with the output carried
 # through the timing loop and the copy bandwidth of the same run; the split's launches alone, the state kernel's
-# tunings). Done 2026-12-06 (twenty-third session, H100): "p" (no tuning beats the default), "0" (21 tests
+# tunings). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests
 # passed; 0.90x / 0.96x fla). Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's
 # bytes), "r"'s tests (8 passed, the layer-level test included). Done 2026-12-06 (twenty-first session): "r"
 # (H100: 7 tests passed; quick + swar 1.30x the Triton path: the prefill default now), "m" and "4" (H200: quick/swar right over bytes 0..128; 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r"
