@@ -47,8 +47,8 @@ from pallas_kernels.moe.wgmma_mxfp4 import QUICK_MAX, grouped_mxfp4_matmul_t, to
 # 35.3 -> 32.4 ms, down 16.2 -> 15.9 with the quick decode. The quick decode itself is not a tuning: `stages`
 # takes it when the scale bytes allow.
 TUNING = dict(tile_t=None, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2), swar=True)
-# Bounds of `tile_slots`: above 160 slots the two accumulators a warpgroup outgrow the registers (176 ran, 4%
-# slower at 16384 tokens), and the smallest tiles waste the decode (64 at 7168 tokens: 1.43x the time of 144).
+# Bounds of `tile_slots`: 160 slots is the largest tile measured best (176 ran 3% slower at 16384 tokens, 256
+# runs out of shared memory, above), and small tiles repeat the decode (64 at 7168 tokens: 1.43x the time of 144).
 TILE_T_MAX, TILE_T_MIN, TILE_T_STEP = 160, 64, 16
 
 
