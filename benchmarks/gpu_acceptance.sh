@@ -2,7 +2,7 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cmpr (default 1234), e.g. "13", "25", "4"
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdmpr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): "r" and "4" (the MoE prefill with tiles sized to the groups, new in
 # the twenty-third session), then "0" and "p" on an H200 (the KDA decode with the output carried
 # through the timing loop and the copy bandwidth of the same run; the split's launches alone, the state kernel's
@@ -54,6 +54,11 @@ case $STEPS in *p*)  # the split KDA decode's launches alone (prologue, state ke
     {"block_v": 32, "state_evict": true}, {"block_v": 32, "num_warps": 2}, {"block_v": 16, "num_warps": 1},
     {"num_warps": 8}, {"heads_fastest": false}]'
   export KDA_PARTS_STATE; step p-kda-decode-parts ${LIMIT_p:-300} python3 -u tests/gpu/probe_kda_decode_parts.py ;;
+esac
+case $STEPS in *d*)  # the Mosaic GPU path at decode token counts (tiles of 16 and 32 slots) against the Triton
+  # decode kernels: whether weight streaming by TMA with a warpgroup of its own reads more of the copy bandwidth
+  MGPU_TOKENS=16,512 MGPU_TUNINGS='[{"quick": true, "tile_t": 16}, {"quick": true, "tile_t": 32}]' \
+    step d-moe-mgpu-decode ${LIMIT_d:-300} python3 -u tests/gpu/probe_mgpu_routed.py ;;
 esac
 case $STEPS in *r*)  # the routed experts on Mosaic GPU: compiled through the switch against the pure op (uneven,
   # empty, one-expert routing), then timed against the Triton whole path at 4096 and 16384 tokens

@@ -1,11 +1,13 @@
 """GPU probe (first run 2026-12-05 on the H200: docs/benchmarks.md, eighteenth session): the routed experts on Mosaic GPU (`pallas_kernels/moe/routed_mgpu.py`)
 at K3's widths (latent 3584, expert width 3072, 896 experts, top-16), against the Triton kernels' whole path
-(`pallas_kernels/moe/routed.py`, prefill tiles, asm1-unchecked: GPU-checked against the pure op before) on the same
-inputs: relative max error per token row, device time, TFLOP/s of the dequantised math, and the XLA glue's share
-(the whole path's time less the two grouped kernels timed alone on the same dispatch).
+(`pallas_kernels/moe/routed.py`, its tiles for the token count, asm1-unchecked: GPU-checked against the pure op
+before) on the same inputs: relative max error per token row, device time, TFLOP/s of the dequantised math, TB/s
+of the chosen experts' MXFP4 bytes, and the XLA glue's share (the whole path's time less the two grouped kernels
+timed alone on the same dispatch).
 
     python3 tests/gpu/probe_mgpu_routed.py                  # 4096 and 16384 tokens
     MGPU_TOKENS=4096 MGPU_TUNINGS='[{}, {"tile_t": 256, "stages": 2}]' python3 tests/gpu/probe_mgpu_routed.py
+    MGPU_TOKENS=16,512 MGPU_TUNINGS='[{"quick": true, "tile_t": 16}]' ...  # at decode token counts (step d)
 
 The default tunings: TUNING without swar (the nibbles decoded one per 16-bit lane), TUNING, and TUNING with the
 quick one-multiply decode (the experts' scale bytes are 119-121, as the release's: the model runs this one).
@@ -37,11 +39,14 @@ def main():
     for n in TOKENS:
         xl, idx, w = routing(n, n)
         flops = 6.0 * n * idx.shape[1] * 2 * half * width
+        active = kern.active_bytes(idx, 2 * half, width)
+        mxfp4 = active["gate_up"] + active["down"]  # the chosen experts' bytes: what weight streaming reads
         tri = jax.jit(lambda x, i, w, e: kern.routed_experts(x, i, w, e, BETA, LINEAR_BETA, scale_max=120,
                                                              prefill_kernels="triton"))
         want = np.asarray(tri(xl, idx, w, ex), np.float64)
         s_tri = device_seconds(tri, xl, idx, w, ex, calls=3)
-        print(f"tokens {n}: triton whole {s_tri * 1e3:.3f} ms ({flops / s_tri / 1e12:.0f} TFLOP/s)", flush=True)
+        print(f"tokens {n}: triton whole {s_tri * 1e3:.3f} ms ({flops / s_tri / 1e12:.0f} TFLOP/s, "
+              f"{mxfp4 / s_tri / 1e12:.2f} TB/s of MXFP4 bytes)", flush=True)
         for tuning in TUNINGS:
             try:
                 f = jax.jit(lambda x, i, w, e, t=tuning: rm.routed_experts_mgpu(x, i, w, e, BETA, LINEAR_BETA, tuning=t))
@@ -62,6 +67,7 @@ def main():
                 dn = [jax.jit(stage.down) for stage in (path, fewer)]
                 s_dn, s_dn_t = (device_seconds(d, lo.tile_expert, h_t, ex, calls=3) for d in dn)
                 print(f"  mgpu {tuning}: whole {s * 1e3:.3f} ms ({flops / s / 1e12:.0f} TFLOP/s, "
+                      f"{mxfp4 / s / 1e12:.2f} TB/s, "
                       f"{s_tri / s:.2f}x triton), rel. max error vs triton {err:.1e}; gate+up kernel "
                       f"{s_gu * 1e3:.3f} ms ({flops * 2 / 3 / s_gu / 1e12:.0f} TFLOP/s), down kernel {s_dn * 1e3:.3f} ms "
                       f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s; {s_dn_t * 1e3:.3f} ms with {max(1, rb[1] // 2)} row "
