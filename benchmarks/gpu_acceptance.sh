@@ -4,7 +4,7 @@
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdmpr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): "r" and "4" (the MoE prefill with tiles sized to the groups, new in
-# the twenty-third session), then "0" and "p" on an H200 (the KDA decode with the output carried
+# the twenty-third session), "d" (the Mosaic GPU path at decode token counts, written then), then "0" and "p" on an H200 (the KDA decode with the output carried
 # through the timing loop and the copy bandwidth of the same run; the split's launches alone, the state kernel's
 # tunings). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests
 # passed; 0.90x / 0.96x fla). Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's
