@@ -50,9 +50,8 @@ case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check in
 esac
 case $STEPS in *p*)  # the split KDA decode's launches alone (prologue, state kernel at KDA_PARTS_STATE's tunings
   # with the copy bandwidth of the same run, the XLA norm) at N = 32 and 256: why the H200 reads less of its copy
-  [ -n "${KDA_PARTS_STATE:-}" ] || KDA_PARTS_STATE='[{}, {"state_evict": true}, {"block_v": 32},
-    {"block_v": 32, "state_evict": true}, {"block_v": 32, "num_warps": 2}, {"block_v": 16, "num_warps": 1},
-    {"num_warps": 8}, {"heads_fastest": false}]'
+  [ -n "${KDA_PARTS_STATE:-}" ] || KDA_PARTS_STATE='[{}, {"block_v": 32}, {"block_v": 32, "num_warps": 2},
+    {"block_v": 16, "num_warps": 1}, {"num_warps": 8}, {"heads_fastest": false}]'
   export KDA_PARTS_STATE; step p-kda-decode-parts ${LIMIT_p:-300} python3 -u tests/gpu/probe_kda_decode_parts.py ;;
 esac
 case $STEPS in *d*)  # the Mosaic GPU path at decode token counts (tiles of 16 and 32 slots) against the Triton

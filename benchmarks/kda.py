@@ -282,7 +282,8 @@ def run_decode(args, torch_mods):
         state_bytes = 2 * n * h * DK * DV * 4
         step_bytes = decode_step_bytes(qkv, conv_pool, s_pool, z, beta, gate)
         row.update(ours_us=1e3 * ms, ours_loop_us=1e3 * per_call, ours_rolled_us=1e3 * rolled, ours_call_us=1e3 * one,
-                   step_bytes=step_bytes, ours_all_tbps=step_bytes / ms / 1e9, ours_tuning=tuning, ours_err_o=errs[0], ours_err_s=errs[1], ours_err_conv=errs[2],
+                   step_bytes=step_bytes, ours_all_tbps=step_bytes / ms / 1e9, ours_tuning=tuning,
+                   ours_err_o=errs[0], ours_err_s=errs[1], ours_err_conv=errs[2],
                    ours_tbps=state_bytes / ms / 1e9)
         if torch_mods is not None:
             torch, _, fused_recurrent_kda, do_bench = torch_mods

@@ -284,12 +284,11 @@ def decode_inputs(rng, n, pool, width=4, d=D):
 # The whole-V default with the tails in place (at D = 32, and at K = V = 128 as in the model), the whole-V
 # kernel with the tails scattered after it, and the value tiles (block_v 32 and 64 of V = 128: four and two
 # tiles per head, whose last tile norms the row and writes the q/k tails, all in place); two of them launch
-# the heads fastest; the split launches (prologue kernel, state kernel, XLA norm) whole-V and in tiles of 32 (with
-# the state kernel's eviction hints).
+# the heads fastest; the split launches (prologue kernel, state kernel, XLA norm) whole-V and in tiles of 32.
 STATE_RTOL = 1e-6  # kernel vs op, both fp32 on the same inputs: ~1e-7 measured in every case
 DECODE_CASES = [(D, None), (128, None), (128, dict(tails_in_place=False, heads_fastest=True)), (128, dict(block_v=32)),
                 (128, dict(block_v=64, num_warps=4, heads_fastest=True)), (128, dict(split=True)),
-                (128, dict(split=True, block_v=32, heads_fastest=False, state_evict=True))]
+                (128, dict(split=True, block_v=32, heads_fastest=False))]
 
 
 @pytest.mark.parametrize("d,tuning", DECODE_CASES,

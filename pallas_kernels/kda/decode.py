@@ -59,10 +59,7 @@ from pallas_kernels.kda.decode_split import decode_split
 # is the faster (7.3 against 8.4 us, fewer launches), so it stays below SPLIT_FROM. Those split times left the
 # XLA norm out (dead code in the benchmark's loop); with it (2026-12-06, H100): 164.0 against 165.2 at N = 32,
 # 1226.4 against 1267.0 at N = 256.
-# state_evict: the split's state kernel loads and stores with L2 eviction hints (`decode_split._state_kernel`), as
-# fla's fused_recurrent_kda does; written 2026-12-06 for the H200 sweep (gpu_acceptance.sh p), not yet timed.
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None,
-              state_evict=False)
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None)
 SPLIT_FROM = 32
 
 

@@ -44,24 +44,18 @@ def _prologue_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, g_
         tails_out[slot, j, r, pl.ds(h * dk, dk)] = t
 
 
-def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, evict, ids):
+def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids):
     t, n, h = ids()
     dk = s_ref.shape[-2]
     slot = slots_ref[n]
     cols = pl.ds(t * bv, bv)
-    # evict: L2 hints as fla's kernel gives them: the state slice and this tile's values are read once
-    # (evict_first), the head's q, k, g and beta rows by every value tile of the head (evict_last)
-    once, shared = ("evict_first", "evict_last") if evict else (None, None)
-    s0 = plt.load(s_ref.at[slot, h, :, cols], eviction_policy=once)
-    # (the row as a traced index: the interpreter's load takes no Python int among array indices)
-    row = lambda i, c=slice(None), hint=shared: plt.load(pre_ref.at[n, h, jnp.int32(i), c], eviction_policy=hint)
-    q, k, g = row(0), row(1), row(3)
-    v = row(2, cols, once)
-    beta = jnp.max(row(4))  # the row holds beta K times
+    s0 = s_ref[slot, h, :, cols]
+    q, k, g = pre_ref[n, h, 0, :], pre_ref[n, h, 1, :], pre_ref[n, h, 3, :]
+    v = pre_ref[n, h, 2, cols]
+    beta = jnp.max(pre_ref[n, h, 4, :])  # the row holds beta K times
     s, o_raw[n, h, cols] = state_step(s0, q, k, v, g, beta)
     # an inactive row (g = 0, beta = 0) leaves its state as it is: not written at all
-    plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(lens_ref[n] > 0, (dk, bv)),
-              eviction_policy=once)
+    plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(lens_ref[n] > 0, (dk, bv)))
 
 
 def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tuning, interpret, lower_bound,
@@ -79,13 +73,12 @@ def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tun
 
 
 def state(slots, lens, pre, s_pool, *, bv, tuning, interpret):
-    """Launch 2: -> (the un-normed output [N, H, V] fp32, s_pool updated in place); tuning["state_evict"] gives
-    its loads and its store L2 eviction hints."""
+    """Launch 2: -> (the un-normed output [N, H, V] fp32, s_pool updated in place)."""
     nb, nh = pre.shape[:2]
     dv = s_pool.shape[-1]
     tile_grid, tile_ids = grid(nb, nh, tuning["heads_fastest"], (dv // bv,))
     return pl.pallas_call(
-        functools.partial(_state_kernel, bv=bv, evict=bool(tuning.get("state_evict")), ids=tile_ids),
+        functools.partial(_state_kernel, bv=bv, ids=tile_ids),
         out_shape=(jax.ShapeDtypeStruct((nb, nh, dv), jnp.float32), jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype)),
         grid=tile_grid, input_output_aliases={3: 1}, interpret=interpret, name="kda_decode_state",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),

@@ -9,7 +9,7 @@ twenty-first session; its norm line then came from one call at a time, which mea
     KDA_PARTS_STATE='[{"block_v": 32, "num_warps": 2}, {"block_v": 16, "num_warps": 1}]' python3 tests/gpu/...
 
 The state kernel is timed at each of KDA_PARTS_STATE's tunings (a JSON list of overrides of the default: block_v,
-num_warps, heads_fastest, state_evict; default: block_v from KDA_PARTS_BV), its output and states checked against the first
+num_warps, heads_fastest; default: block_v from KDA_PARTS_BV), its output and states checked against the first
 tuning's, and its rate given as a share of the copy bandwidth measured in the same run (`timing.copy_tbps`).
 The question it is for (docs/benchmarks.md, "Still to run"): the state kernel moves its bytes at 93% of copy
 on the H100 (twenty-second session) while the whole step reached about 77% on the H200 (eighteenth).
