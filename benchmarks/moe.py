@@ -229,7 +229,7 @@ def measure_mgpu(ex, n, scale_max):
     xl, idx, w = routing(n, n)
     path = rm.stages(pairs=idx.size, num_experts=E, scale_max=scale_max, matmul_t=MGPU_MATMUL)
     lo = jax.jit(lambda i, ww: dsp.block_layout(i, ww, E, path.tile_t))(idx, w)
-    planes = jax.jit(path.planes)(xl, lo.slot_token)
+    planes = jax.jit(path.planes, static_argnums=2)(xl, lo, E)
     gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
     h_t = gu(lo.tile_expert, planes, ex)
     return {"gate_up_s": timeit(gu, lo.tile_expert, planes, ex), "down_s": timeit(jax.jit(path.down), lo.tile_expert,

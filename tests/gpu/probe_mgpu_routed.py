@@ -60,7 +60,7 @@ def main():
                 # down with fewer row blocks
                 fewer = rm.stages({**tuning, "row_blocks": (rb[0], max(1, rb[1] // 2))}, **groups)
                 lo = dsp.block_layout(idx, w, 896, path.tile_t)
-                planes = jax.jit(path.planes)(xl, lo.slot_token)
+                planes = jax.jit(path.planes, static_argnums=2)(xl, lo, 896)
                 gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
                 s_gu = device_seconds(gu, lo.tile_expert, planes, ex, calls=3)
                 h_t = gu(lo.tile_expert, planes, ex)
@@ -76,7 +76,7 @@ def main():
                 y = dn[0](lo.tile_expert, h_t, ex)
                 parts = {
                     "dispatch": (jax.jit(lambda i, w: dsp.block_layout(i, w, 896, path.tile_t)), idx, w),
-                    "planes gather": (jax.jit(path.planes), xl, lo.slot_token),
+                    "planes gather": (jax.jit(lambda x, lo: path.planes(x, lo, 896)), xl, lo),
                     "scales": (jax.jit(lambda e: (transpose_scales(e.w1_scale, plane_rows=True),
                                                   transpose_scales(e.w3_scale, plane_rows=True),
                                                   transpose_scales(e.w2_scale))), ex),
@@ -84,7 +84,7 @@ def main():
                 def upto(stage):  # the path's first stages in one jit: their marginal costs in place
                     def f(x, i, w, e):
                         layout = dsp.block_layout(i, w, 896, path.tile_t)
-                        p = path.planes(x, layout.slot_token)
+                        p = path.planes(x, layout, 896)
                         if stage == 0:
                             return p
                         h = path.gate_up(layout.tile_expert, p, e, BETA, LINEAR_BETA)
