@@ -3,10 +3,11 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdmpr (default 1234), e.g. "13", "25", "4"
-# Next (docs/benchmarks.md, "Still to run"): "r" and "4" (the MoE prefill with tiles sized to the groups, new in
-# the twenty-third session), "d" (the Mosaic GPU path at decode token counts, written then), then "0" and "p" on an H200 (the KDA decode with the output carried
-# through the timing loop and the copy bandwidth of the same run; the split's launches alone, the state kernel's
-# tunings). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests
+# Next (docs/benchmarks.md, "Still to run"): on an H200, "r"'s probe at 16384 tokens with the quick tuning (MGPU_TOKENS,
+# MGPU_TUNINGS), then "0" and "p" (the KDA decode against fla and the copy bandwidth of the same run; the state
+# kernel's tunings). Done 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes
+# kernel 41.03 ms, 422 TFLOP/s, at 16384 tokens), "4" (kernels 454 / 451 TFLOP/s, whole 424), "d" (the Mosaic GPU
+# path 0.55-0.69x the Triton decode). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests
 # passed; 0.90x / 0.96x fla). Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's
 # bytes), "r"'s tests (8 passed, the layer-level test included). Done 2026-12-06 (twenty-first session): "r"
 # (H100: 7 tests passed; quick + swar 1.30x the Triton path: the prefill default now), "m" and "4" (H200: quick/swar right over bytes 0..128; 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r"

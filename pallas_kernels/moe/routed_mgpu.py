@@ -19,9 +19,9 @@ warp-specialised pipeline has no interpreter rule (tests/test_moe_wgmma.py check
 kernel's pure-JAX reference, `reference_matmul_t`, in its place; tests/gpu/test_moe_gpu.py the compiled path).
 
 On the H100 (2026-12-06, docs/benchmarks.md; 896 experts, top-16, K3 widths, jax 0.11.2) it equals the Triton
-path to 2.1e-4 and runs 1.59x its speed at 16384 tokens (42.3 against 67.2 ms, 409 TFLOP/s) with the quick
-decode, swar and tiles sized to the groups (`tile_slots`: 160 slots there); 1.31x with tiles of 128. It is the
-prefill regime's default (`routed.PREFILL_KERNELS`).
+path to 2.1e-4 and runs 1.64x its speed at 16384 tokens (41.0 against 67.2 ms, 422 TFLOP/s; the kernels 453)
+with the quick decode, swar, tiles sized to the groups (`tile_slots`: 160 slots there) and the used-tile
+planes gather; 1.31x with tiles of 128. It is the prefill regime's default (`routed.PREFILL_KERNELS`).
 """
 
 from __future__ import annotations
