@@ -44,7 +44,8 @@ def block_layout(idx: jax.Array, weights: jax.Array, num_experts: int, bm: int) 
     tile_end = jnp.cumsum(tiles)
     tile_start = tile_end - tiles
     t = jnp.arange(num_tiles(pairs, num_experts, bm), dtype=jnp.int32)
-    tile_expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)  # E past the last tile
+    # E past the last tile; compare_all: one fusion, where the default binary search is a loop of launches
+    tile_expert = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)
     e = jnp.minimum(tile_expert, num_experts - 1)
     offset = ((t - tile_start[e]) * bm)[:, None] + jnp.arange(bm, dtype=jnp.int32)[None, :]  # rank in group
     used = (tile_expert[:, None] < num_experts) & (offset < sizes[e][:, None])
@@ -52,7 +53,8 @@ def block_layout(idx: jax.Array, weights: jax.Array, num_experts: int, bm: int) 
     used = used.reshape(-1)
     slot_token = jnp.where(used, pair // k, 0).astype(jnp.int32)
     slot_weight = jnp.where(used, weights.reshape(-1).astype(jnp.float32)[pair], 0.0)
-    rank = jnp.argsort(order)  # pair -> sorted rank
+    # pair -> sorted rank: the inverse permutation as a scatter (a second sort before)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(pairs, dtype=order.dtype), unique_indices=True)
     fe = jnp.minimum(flat, num_experts - 1)
     slot_of_pair = jnp.where(pair_used, tile_start[fe] * bm + rank - start[fe], 0).astype(jnp.int32)
     return BlockLayout(tile_expert, slot_token, slot_weight, slot_of_pair, pair_used)
