@@ -7,7 +7,7 @@
 # MGPU_TUNINGS), then "0" and "p" (the KDA decode against fla and the copy bandwidth of the same run; the state
 # kernel's tunings). Done 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes
 # kernel 41.03 ms, 422 TFLOP/s, at 16384 tokens), "4" (kernels 454 / 451 TFLOP/s, whole 424), "d" (the Mosaic GPU
-# path 0.55-0.69x the Triton decode). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests
+# path 0.55-0.69x the Triton decode), the glue probe (tests/gpu/probe_moe_glue.py). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests
 # passed; 0.90x / 0.96x fla). Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's
 # bytes), "r"'s tests (8 passed, the layer-level test included). Done 2026-12-06 (twenty-first session): "r"
 # (H100: 7 tests passed; quick + swar 1.30x the Triton path: the prefill default now), "m" and "4" (H200: quick/swar right over bytes 0..128; 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r"
