@@ -69,6 +69,9 @@ def combine(y_slots: jax.Array, layout: BlockLayout, n: int, k: int, weighted: b
     slot = layout.slot_of_pair.reshape(n, k)
     used = layout.pair_used.reshape(n, k)
     weight = None if weighted else layout.slot_weight[layout.slot_of_pair].reshape(n, k)
+    # made before the gathers: fused into them, the slots' arithmetic (a chain of dependent loads per pair)
+    # ran once per output element: 23 us of a 1-token decode step on the H100, for 16 rows of 3584
+    slot, used, weight = jax.lax.optimization_barrier((slot, used, weight))
     out = None
     for j in range(k):
         y = y_slots[slot[:, j]]
