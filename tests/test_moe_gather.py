@@ -1,6 +1,6 @@
 """The used-tile row gather of the slots' activation planes (`pallas_kernels/moe/gather.py`, interpreted):
 equal to XLA's gather on every row of a used tile, for uneven, empty and one-expert routing and tiles of
-several sizes; its shape errors name the argument."""
+several sizes (multiples of 16 as the path takes them, and others); its shape errors name the argument."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +10,8 @@ from pallas_kernels.moe.gather import slot_planes
 from pallas_kernels.moe.wgmma_mxfp4 import token_planes
 
 
-@pytest.mark.parametrize("routing,tile_t,half", [("uneven", 16, 48), ("one expert", 32, 64), ("uneven", 48, 512)])
+@pytest.mark.parametrize("routing,tile_t,half", [("uneven", 16, 48), ("one expert", 32, 64), ("uneven", 48, 512),
+                                                  ("uneven", 24, 32), ("one expert", 7, 16)])
 def test_slot_planes_equal_the_gather_on_used_tiles(routing, tile_t, half):
     rng = np.random.default_rng(tile_t)
     n, k, experts = 37, 4, 9
@@ -29,8 +30,6 @@ def test_slot_planes_equal_the_gather_on_used_tiles(routing, tile_t, half):
 
 def test_slot_planes_refuses_bad_shapes():
     planes = jnp.zeros((2, 4, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="tile_t = 24 a multiple of 16"):
-        slot_planes(planes, jnp.zeros((2,), jnp.int32), jnp.zeros((48,), jnp.int32), 24, 3)
     with pytest.raises(ValueError, match="slot_token"):
         slot_planes(planes, jnp.zeros((2,), jnp.int32), jnp.zeros((48,), jnp.int32), 16, 3)
     with pytest.raises(ValueError, match="power-of-two divisor"):

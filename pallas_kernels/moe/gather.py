@@ -18,18 +18,26 @@ from pallas_kernels.common import resolve_interpret
 
 _CompilerParams = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
 
-ROWS = 16  # slots per program: tile sizes are multiples of it (`routed_mgpu.TILE_T_STEP`)
+MAX_ROWS = 16  # slots per program: the largest power of two up to this dividing the tile (16 for the tiles of
+#   `routed_mgpu.tile_slots`, multiples of 16)
 MAX_COLS = 256  # plane columns per load (a power of two, as Triton's blocks are)
 
 
-def _kernel(tile_expert_ref, slot_token_ref, planes_ref, out_ref, *, tokens, slots, tile_t, cols, num_cols,
+def _largest_power_of_two_dividing(n: int, most: int) -> int:
+    size = most
+    while n % size:
+        size //= 2
+    return size
+
+
+def _kernel(tile_expert_ref, slot_token_ref, planes_ref, out_ref, *, tokens, slots, tile_t, rows, cols, num_cols,
             num_experts):
     r, p = pl.program_id(0), pl.program_id(1)
 
-    @pl.when(tile_expert_ref[(r * ROWS) // tile_t] < num_experts)
+    @pl.when(tile_expert_ref[(r * rows) // tile_t] < num_experts)
     def _():
-        src = slot_token_ref[pl.ds(r * ROWS, ROWS)] + p * tokens
-        dst = pl.ds(p * slots + r * ROWS, ROWS)
+        src = slot_token_ref[pl.ds(r * rows, rows)] + p * tokens
+        dst = pl.ds(p * slots + r * rows, rows)
         for c in range(num_cols):
             out_ref[dst, pl.ds(c * cols, cols)] = planes_ref[src, pl.ds(c * cols, cols)]
 
@@ -38,21 +46,19 @@ def slot_planes(token_planes, tile_expert, slot_token, tile_t: int, num_experts:
                 interpret: bool | None = None):
     """token_planes [2, N, K/2] (`wgmma_mxfp4.token_planes`), the dispatch's tile_expert [T] and slot_token
     [T * tile_t] -> the slots' planes [2, T * tile_t, K/2], the rows of unused tiles (tile_expert == E)
-    undefined. tile_t a multiple of ROWS."""
+    undefined. K/2 needs a power-of-two divisor of at least 16."""
     two, tokens, half = token_planes.shape
     slots = slot_token.shape[0]
-    if two != 2 or tile_t % ROWS or slots != tile_expert.shape[0] * tile_t:
-        raise ValueError(f"slot_planes: token_planes {token_planes.shape} must be [2, N, K/2], tile_t = {tile_t} "
-                         f"a multiple of {ROWS}, slot_token {slot_token.shape} {tile_expert.shape[0]} tiles of it")
-    cols = MAX_COLS
-    while half % cols:
-        cols //= 2
+    if two != 2 or slots != tile_expert.shape[0] * tile_t:
+        raise ValueError(f"slot_planes: token_planes {token_planes.shape} must be [2, N, K/2], slot_token "
+                         f"{slot_token.shape} {tile_expert.shape[0]} tiles of tile_t = {tile_t}")
+    rows, cols = _largest_power_of_two_dividing(tile_t, MAX_ROWS), _largest_power_of_two_dividing(half, MAX_COLS)
     if cols < 16:
         raise ValueError(f"slot_planes: K/2 = {half} needs a power-of-two divisor >= 16")
-    kernel = functools.partial(_kernel, tokens=tokens, slots=slots, tile_t=tile_t, cols=cols,
+    kernel = functools.partial(_kernel, tokens=tokens, slots=slots, tile_t=tile_t, rows=rows, cols=cols,
                                num_cols=half // cols, num_experts=num_experts)
     out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((2 * slots, half), token_planes.dtype), grid=(slots // ROWS, 2),
+        kernel, out_shape=jax.ShapeDtypeStruct((2 * slots, half), token_planes.dtype), grid=(slots // rows, 2),
         compiler_params=_CompilerParams(num_warps=4, num_stages=1), interpret=resolve_interpret(interpret),
         name="moe_slot_planes",
     )(tile_expert.astype(jnp.int32), slot_token.astype(jnp.int32), token_planes.reshape(2 * tokens, half))
