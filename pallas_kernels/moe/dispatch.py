@@ -31,7 +31,8 @@ def num_tiles(pairs: int, num_experts: int, bm: int) -> int:
 
 
 def block_layout(idx: jax.Array, weights: jax.Array, num_experts: int, bm: int) -> BlockLayout:
-    """idx [N, k] expert ids, weights [N, k] -> the BlockLayout for row block `bm` (pure jnp, no scatter)."""
+    """idx [N, k] expert ids, weights [N, k] -> the BlockLayout for row block `bm` (pure jnp; its scatters, the
+    group counts and the inverse permutation, are integer adds and writes of distinct indices: deterministic)."""
     n, k = idx.shape
     pairs = n * k
     flat = idx.reshape(-1).astype(jnp.int32)

@@ -1,10 +1,11 @@
 """GPU probe (twenty-fourth session): every launch of one whole routed-experts call (the Triton path, as the
 model runs it on real scales) at decode token counts, for Nsight Compute to time one by one: where a small
-step's time goes besides the two grouped kernels. Run under ncu; the call is made twice after its warm-up,
-so the last launches ncu lists (between the two "=== call" markers' counts) are one call:
+step's time goes besides the two grouped kernels. Run under ncu; each token count's call runs three times (the
+warm-up and two more), so its launches repeat three times in ncu's list, in launch order, and the last third
+is one call (the twenty-fourth session read it so: docs/benchmarks.md):
 
-    ncu --clock-control none --csv --metrics gpu__time_duration.sum python3 tests/gpu/probe_moe_launches.py
-    MOE_TOKENS=1,16 (the default)
+    XLA_FLAGS=--xla_gpu_autotune_level=0 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+        python3 tests/gpu/probe_moe_launches.py > launches.csv        # MOE_TOKENS=1,16 (the default)
 """
 import os
 import sys
