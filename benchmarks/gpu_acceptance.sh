@@ -2,10 +2,10 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdmpr (default 1234), e.g. "13", "25", "4"
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmpr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): on an H200, "r"'s probe at 16384 tokens with the quick tuning (MGPU_TOKENS,
 # MGPU_TUNINGS), then "0" and "p" (the KDA decode against fla and the copy bandwidth of the same run; the state
-# kernel's tunings). Done 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes
+# kernel's tunings); on any card "k" (new: the KDA chunk table's search). Done 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes
 # kernel 41.03 ms, 422 TFLOP/s, at 16384 tokens), "4" (kernels 454 / 451 TFLOP/s, whole 424), "d" (the Mosaic GPU
 # path 0.55-0.69x the Triton decode), the glue probe (tests/gpu/probe_moe_glue.py). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests
 # passed; 0.90x / 0.96x fla). Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's
@@ -59,6 +59,10 @@ case $STEPS in *d*)  # the Mosaic GPU path at decode token counts (tiles of 16 a
   # decode kernels: whether weight streaming by TMA with a warpgroup of its own reads more of the copy bandwidth
   MGPU_TOKENS=16,512 MGPU_TUNINGS='[{"quick": true, "tile_t": 16}, {"quick": true, "tile_t": 32}]' \
     step d-moe-mgpu-decode ${LIMIT_d:-300} python3 -u tests/gpu/probe_mgpu_routed.py ;;
+esac
+case $STEPS in *k*)  # the KDA prefill's chunk table with the sequence search by compare_all instead of jnp's
+  # default loop (written in the twenty-fourth session, not yet run), in place at both target shapes
+  step k-kda-chunk-search ${LIMIT_k:-300} python3 -u tests/gpu/probe_kda_chunk_search.py ;;
 esac
 case $STEPS in *r*)  # the routed experts on Mosaic GPU: compiled through the switch against the pure op (uneven,
   # empty, one-expert routing), then timed against the Triton whole path at 4096 and 16384 tokens

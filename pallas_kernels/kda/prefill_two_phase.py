@@ -317,15 +317,16 @@ def _phase2_kernel(cu_ref, choff_ref, cpo_ref, *refs, heads, chunk, block_v, cp_
                   cp_every=cp_every, cp_fill_zero=cp_fill_zero, transposed=transposed, prefetch=load_ahead)
 
 
-def chunk_table(cu, ends, chunk, n_chunks):
+def chunk_table(cu, ends, chunk, n_chunks, search="scan"):
     """Sequence-local chunks, numbered across sequences: choff[n] = sequence n's first chunk; for each of
     the n_chunks (a static upper bound) its first token, its sequence's end and identity-tail start
-    (chunks past the last get t0 >= eos: every row masked)."""
+    (chunks past the last get t0 >= eos: every row masked). `search`: `jnp.searchsorted`'s method for each
+    chunk's sequence (tests/gpu/probe_kda_chunk_search.py times the choices)."""
     nch = cdiv(cu[1:] - cu[:-1], chunk)
     last = jnp.cumsum(nch)
     choff = (last - nch).astype(jnp.int32)
     cid = jnp.arange(n_chunks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(last, cid, side="right"), cu.shape[0] - 2)
+    seq = jnp.minimum(jnp.searchsorted(last, cid, side="right", method=search), cu.shape[0] - 2)
     t0 = (cu[seq] + (cid - choff[seq]) * chunk).astype(jnp.int32)
     return choff, t0, cu[seq + 1].astype(jnp.int32), ends[seq].astype(jnp.int32)
 
