@@ -26,7 +26,6 @@ def main():
         jax.block_until_ready(args)
         jax.block_until_ready(f(*args, ex))
         for _ in range(2):
-            print(f"=== call tokens {n}", flush=True)
             jax.block_until_ready(f(*args, ex))
 
 
