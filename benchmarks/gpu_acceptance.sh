@@ -60,8 +60,8 @@ case $STEPS in *d*)  # the Mosaic GPU path at decode token counts (tiles of 16 a
   MGPU_TOKENS=16,512 MGPU_TUNINGS='[{"quick": true, "tile_t": 16}, {"quick": true, "tile_t": 32}]' \
     step d-moe-mgpu-decode ${LIMIT_d:-300} python3 -u tests/gpu/probe_mgpu_routed.py ;;
 esac
-case $STEPS in *k*)  # the KDA prefill's chunk table with the sequence search by compare_all instead of jnp's
-  # default loop (written in the twenty-fourth session, not yet run), in place at both target shapes
+case $STEPS in *k*)  # the KDA prefill's chunk table with its sequence search by compare_all (the default since
+  # the twenty-fifth session) and by jnp's default loop, in place at both target shapes
   step k-kda-chunk-search ${LIMIT_k:-300} python3 -u tests/gpu/probe_kda_chunk_search.py ;;
 esac
 case $STEPS in *r*)  # the routed experts on Mosaic GPU: compiled through the switch against the pure op (uneven,
