@@ -7,8 +7,9 @@ of shared-memory stages by TMA while two compute warpgroups decode and issue wgm
 
 out[N, T] = W[N, K] @ x[T, K]^T, with W stored as MXFP4: `packed` [N, K/2] uint8 (low nibble = k even, high
 nibble = k odd, as the release stores it) and `scales_t` [K/32, N] uint8 E8M0 (the release's [N, K/32],
-transposed once at load: a TMA copy needs 16 bytes along the last dimension, and a row of N bytes gives each
-step its scales for 128 output rows).
+transposed: a TMA copy needs 16 bytes along the last dimension, and a row of N bytes gives each step its
+scales for 128 output rows; a [rows, 16] box of the release's layout would need a column read of shared
+memory, which jax 0.11.2's Mosaic GPU layout inference refuses: docs/benchmarks.md, twenty-sixth session).
 
 How the decode avoids any register shuffles (offline lowering on jax 0.10.2, 2026-12-05):
 - K is split into its even and odd halves ("planes"): a GEMM is unchanged when one permutation of K is
