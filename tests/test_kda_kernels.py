@@ -465,3 +465,28 @@ def test_model_selects_the_kernels_with_the_ops_arguments(tiny_ckpt, monkeypatch
         assert max(errs) <= BF16_RTOL, (name, errs)
         if name == "kda_decode":
             assert errs[1] == 0.0, "conv tails must be copied exactly"
+
+
+@pytest.mark.parametrize("search", ["compare_all", "scan"])
+def test_chunk_table_maps_each_chunk_to_its_sequence(search):
+    """The two-phase prefill's chunk table (its default search and jnp's loop, which the GPU probe times
+    against it) against a NumPy walk over packed sequences of random lengths, empty ones included: each
+    sequence's first chunk, and each chunk's first token, sequence end and tail start; the spare chunks
+    past the last sequence start at or past its end (every row masked)."""
+    from pallas_kernels.kda.prefill_two_phase import chunk_table
+    rng = np.random.default_rng(17)
+    chunk = 16
+    for _ in range(5):
+        lengths = rng.integers(0, 70, rng.integers(1, 7))
+        lengths[rng.integers(0, lengths.size)] = 0
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        ends = cu[1:] - rng.integers(0, 5, lengths.size)
+        nch = -(-lengths // chunk)
+        n_chunks = int(nch.sum()) + 3
+        choff, t0, eos, end = (np.asarray(a) for a in chunk_table(jnp.asarray(cu, jnp.int32),
+                                                                  jnp.asarray(ends, jnp.int32), chunk, n_chunks,
+                                                                  search=search))
+        np.testing.assert_array_equal(choff, np.concatenate([[0], np.cumsum(nch)[:-1]]))
+        want = [(cu[s] + c * chunk, cu[s + 1], ends[s]) for s in range(lengths.size) for c in range(nch[s])]
+        np.testing.assert_array_equal(np.stack([t0, eos, end], 1)[:len(want)], np.asarray(want).reshape(-1, 3))
+        assert (t0[len(want):] >= eos[len(want):]).all()

@@ -322,7 +322,7 @@ def chunk_table(cu, ends, chunk, n_chunks, search="compare_all"):
     the n_chunks (a static upper bound) its first token, its sequence's end and identity-tail start
     (chunks past the last get t0 >= eos: every row masked). `search`: `jnp.searchsorted`'s method for each
     chunk's sequence: one compare of every chunk with every sequence end, rather than the default loop of
-    launches, 3% faster prefill at (16, 4096, 12) on the H100 (tests/gpu/probe_kda_chunk_search.py)."""
+    launches: 3-4% faster prefill at (16, 4096, 12) on the H100, two runs (tests/gpu/probe_kda_chunk_search.py)."""
     nch = cdiv(cu[1:] - cu[:-1], chunk)
     last = jnp.cumsum(nch)
     choff = (last - nch).astype(jnp.int32)
