@@ -8,7 +8,8 @@ TFLOP/s of dequantised bf16 math; at prefill token counts on the GPU also the Mo
 (`routed_mgpu`: its two kernels alone and the whole path, against the Triton whole path and checked against
 the capacity einsum; --no-mgpu leaves it out); a diagnostic run of the same kernels with the decode replaced by a bare
 reinterpretation of the bytes (wrong values, same reads: the gap is the decode's ALU cost) and with
-decode="exact" (the longer decode of the same bits; the default is "asm1"), both at
+decode="exact" (the longer decode of the same bits; the rows run the decode the model runs on these experts,
+asm1-unchecked, as --decode can change), both at
 16, 512 and 16384 tokens; peers in the
 same process: `torch._grouped_mm` on bf16 weights (gate+up fused N = 6144, and down), `lax.ragged_dot` on
 dequantised bf16 weights, and a dense batched einsum with a dropless capacity (the largest group) on
@@ -251,9 +252,10 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="stop after the tile sweep (an exploration run)")
-    ap.add_argument("--decode", default=kern.DEFAULT_DECODE,
-                    help="the rows' decode (a DECODERS name): asm1-unchecked is what the model runs when its "
-                         "experts' scale bytes are known to be <= 128, as the generated ones are (119..120)")
+    ap.add_argument("--decode", default=None,
+                    help="the rows' decode (a DECODERS name); default: the one the model runs on these experts "
+                         "(`routed.decoder_for` with their largest scale byte, as the loader sets "
+                         "Runtime.expert_scale_max: asm1-unchecked for the generated ones, bytes 119..120)")
     ap.add_argument("--candidates", type=json.loads, default=None,
                     help='the sweep\'s candidates in place of the built-in ones, each after its regime\'s default: '
                          'a JSON list of {"regime": "decode" or "prefill", "config": {"bm": .., "gate_up": {Tiles '
@@ -274,8 +276,7 @@ def main():
             MGPU_MATMUL = rm.reference_matmul_t
     tokens = [int(t) for t in args.tokens.split(",")]
     late = lambda frac=1.0: time.perf_counter() - T0 > frac * args.budget_s
-    RESULTS["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0]), "date": time.strftime("%F"),
-                       "decode": args.decode}
+    RESULTS["meta"] = {"jax": jax.__version__, "device": str(jax.devices()[0]), "date": time.strftime("%F")}
 
     if not args.no_torch:
         try:
@@ -290,6 +291,8 @@ def main():
     ex = jax.block_until_ready(_random_experts(jax.random.PRNGKey(0), E))
     scale_max = expert_scale_max(ex)  # as the loader sets Runtime.expert_scale_max
     RESULTS["meta"]["expert_scale_max"] = scale_max
+    args.decode = args.decode or kern.decoder_for(kern.DEFAULT_DECODE, scale_max)
+    RESULTS["meta"]["decode"] = args.decode
     mgpu = not args.no_mgpu and (jax.devices()[0].platform == "gpu" or MGPU_MATMUL is not None) and rm.fits(L, F)
     log("experts generated; largest scale byte", scale_max, "; Mosaic GPU prefill rows:", mgpu)
 
@@ -456,7 +459,8 @@ def main():
 
 def table():
     tq = RESULTS.get("torch", {})
-    print(f"\ncopy bandwidth {RESULTS.get('copy_tb_s', 0):.2f} TB/s; best tiles {RESULTS.get('best')}")
+    print(f"\ncopy bandwidth {RESULTS.get('copy_tb_s', 0):.2f} TB/s; decode {RESULTS['meta'].get('decode')}; "
+          f"best tiles {RESULTS.get('best')}")
     print("tokens | experts | gate_up ms (TB/s, TFLOP/s) | down ms (TB/s, TFLOP/s) | whole ms | exact gate_up / down /"
           " whole ms | exact gate_up TB/s | reinterp gate_up TB/s | torch gate_up ms / down ms | einsum ms | ragged ms")
     exact = lambda r: " / ".join(f"{r['exact'][k] * 1e3:.3f}" for k in ("gate_up_s", "down_s", "whole_s")) \
