@@ -260,6 +260,8 @@ def main():
                     help='the sweep\'s candidates in place of the built-in ones, each after its regime\'s default: '
                          'a JSON list of {"regime": "decode" or "prefill", "config": {"bm": .., "gate_up": {Tiles '
                          'fields}, "down": {..}} (default: the regime\'s tiles), "decode": a DECODERS name}')
+    ap.add_argument("--sweep-tokens", type=int, default=512,
+                    help="the token count at which the sweep times the decode regime's candidates")
     ap.add_argument("--ragged-full", action="store_true",
                     help="also try lax.ragged_dot with all 896 experts (ANCHORS: it does not compile there)")
     ap.add_argument("--no-mgpu", action="store_true",
@@ -299,7 +301,7 @@ def main():
     # Tile sweep: a few candidates per regime, at a representative token count each.
     best = {"decode": kern.DECODE, "prefill": kern.PREFILL}
     if not args.no_sweep:
-        cands = {"decode": (512, [(c, kern.DEFAULT_DECODE) for c in sweep_configs(kern.DECODE, [dict(bk=256)])]),
+        cands = {"decode": (args.sweep_tokens, [(c, kern.DEFAULT_DECODE) for c in sweep_configs(kern.DECODE, [dict(bk=256)])]),
                  "prefill": (4096, [(c, kern.DEFAULT_DECODE)
                                     for c in sweep_configs(kern.PREFILL, [dict(bk=128, num_stages=3)])])}
         if args.candidates is not None:
