@@ -111,15 +111,14 @@ def test_kernel_equals_pure_op(config, n, k, kind):
     _check(xl, idx, w, experts, config)
 
 
-# The MMA shapings of `Tiles` (swap: weights as the left operand; split: even/odd halves, no interleave;
-# k-sub: each K step's block in two sub-blocks) and the tiles-first launch order (with the uneven routing only), each in both regimes: the same op, so
+# The MMA shapings of `Tiles` (swap: weights as the left operand; split: even/odd halves, no interleave)
+# and the tiles-first launch order (with the uneven routing only), each in both regimes: the same op, so
 # the same tolerance against the pure op. None is a default: the default suite runs each with the uneven
 # routing, and the other routings and tiles-first are marked slow.
-VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=split, n_first=n_first, k_sub=k_sub),) * 2)
+VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=split, n_first=n_first),) * 2)
             for regime, bm in (("decode", 16), ("prefill", 128))
-            for name, swap, split, n_first, k_sub in (
-                ("swap", True, False, True, 1), ("split", False, True, True, 1), ("swap-split", True, True, True, 1),
-                ("k-sub", False, False, True, 2), ("tiles-first", False, False, False, 1))}
+            for name, swap, split, n_first in (("swap", True, False, True), ("split", False, True, True),
+                                               ("swap-split", True, True, True), ("tiles-first", False, False, False))}
 VARIANT_CASES = [pytest.param(c, n, k, kind, id=f"{n}-{k}-{kind}-{name}",
                               marks=[pytest.mark.slow] if name.endswith("tiles-first") or kind != "skewed" else [])
                  for name, c in VARIANTS.items()
@@ -140,14 +139,6 @@ def test_split_needs_whole_scale_groups_per_half():
     with pytest.raises(ValueError, match="bk=32 must be a multiple of 64 \\(split"):
         check_tiles("down", 64, 128, Tiles(32, 32, split=True))
     assert kern.fit(TileConfig(16, Tiles(32, 128, split=True), Tiles(32, 64, split=True)), 64, 128).gate_up.bk == 64
-
-
-def test_k_sub_needs_whole_scale_groups_per_sub_block():
-    with pytest.raises(ValueError, match="bk=64 must be a multiple of 128 \\(k_sub=4: one per sub-block"):
-        check_tiles("gate_up", 64, 128, Tiles(32, 64, k_sub=4))
-    with pytest.raises(ValueError, match="k_sub=3 must be a power of two"):
-        check_tiles("down", 64, 128, Tiles(32, 64, k_sub=3))
-    assert kern.fit(TileConfig(16, Tiles(32, 256, k_sub=2), Tiles(32, 64, k_sub=2)), 192, 64).gate_up.bk == 64
 
 
 def test_unknown_decode_is_named():

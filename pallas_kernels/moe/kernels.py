@@ -48,14 +48,11 @@ class Tiles:
     swap: bool = False
     split: bool = False
     n_first: bool = True  # grid (N block, tile): the programs of one tile run back to back (see `_grid`)
-    # each K step's bk taken as k_sub sub-blocks in turn (decode, then MMA): the loads stay one pipeline step of
-    # bk, while fewer decoded values and activation fragments are live at once (fewer registers, more warps an SM)
-    k_sub: int = 1
 
     @property
     def min_bk(self) -> int:
-        """The smallest bk: one scale group per sub-block (Tiles.k_sub), or with split one group per half of each."""
-        return dec.GROUP * (2 if self.split else 1) * self.k_sub
+        """The smallest bk: one scale group, or with split one group per half."""
+        return dec.GROUP * (2 if self.split else 1)
 
 
 @dataclass(frozen=True)
@@ -126,7 +123,7 @@ def _grid(tiles: int, blocks: int, n_first: bool):
 
 
 def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3p_ref, w3s_ref, h_ref, *,
-                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode, swap, split, k_sub, ids):
+                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode, swap, split, ids):
     t, j = ids()
     e = tile_expert_ref[t]
 
@@ -137,15 +134,11 @@ def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3
         zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
 
         def loop(d):
-            prod = functools.partial(_block_product, x_ref, rows, e=e, n=n, bk=bk // k_sub, decode=d, swap=swap,
-                                     split=split)
+            prod = functools.partial(_block_product, x_ref, rows, e=e, n=n, bk=bk, decode=d, swap=swap, split=split)
 
             def step(kb, accs):
                 a1, a3 = accs
-                for i in range(k_sub):  # the step's sub-blocks (see Tiles.k_sub)
-                    sub = kb * k_sub + i
-                    a1, a3 = a1 + prod(w1p_ref, w1s_ref, kb=sub), a3 + prod(w3p_ref, w3s_ref, kb=sub)
-                return a1, a3
+                return a1 + prod(w1p_ref, w1s_ref, kb=kb), a3 + prod(w3p_ref, w3s_ref, kb=kb)
 
             return jax.lax.fori_loop(0, num_k, step, (zero, zero))
 
@@ -155,7 +148,7 @@ def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3
 
 
 def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_ref, *,
-                 bm, bn, bk, num_k, num_experts, decode, swap, split, k_sub, ids):
+                 bm, bn, bk, num_k, num_experts, decode, swap, split, ids):
     t, j = ids()
     e = tile_expert_ref[t]
 
@@ -163,15 +156,10 @@ def _down_kernel(tile_expert_ref, slot_weight_ref, h_ref, w2p_ref, w2s_ref, y_re
     def _():
         slots, n = pl.ds(t * bm, bm), pl.ds(j * bn, bn)
         def loop(d):
-            prod = functools.partial(_block_product, h_ref, slots, w2p_ref, w2s_ref, e, n, bk=bk // k_sub, decode=d,
+            prod = functools.partial(_block_product, h_ref, slots, w2p_ref, w2s_ref, e, n, bk=bk, decode=d,
                                      swap=swap, split=split)
-
-            def step(kb, acc):
-                for i in range(k_sub):  # the step's sub-blocks (see Tiles.k_sub)
-                    acc = acc + prod(kb * k_sub + i)
-                return acc
-
-            return jax.lax.fori_loop(0, num_k, step, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+            return jax.lax.fori_loop(0, num_k, lambda kb, acc: acc + prod(kb),
+                                     jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
 
         acc = _k_loop(loop, decode, (w2s_ref,), e, n, bn=bn, bk=bk, num_k=num_k)
         y_ref[slots, n] = (acc.T if swap else acc) * slot_weight_ref[slots][:, None]
@@ -191,12 +179,9 @@ def check_tiles(what: str, n: int, k: int, tiles: Tiles) -> None:
     for name, size, dim in (("bn", tiles.bn, n), ("bk", tiles.bk, k)):
         if size < 16 or size & (size - 1) or dim % size:
             raise ValueError(f"{what}: {name}={size} must be a power of two >= 16 dividing {dim}")
-    if tiles.k_sub < 1 or tiles.k_sub & (tiles.k_sub - 1):
-        raise ValueError(f"{what}: k_sub={tiles.k_sub} must be a power of two >= 1")
     if tiles.bk % tiles.min_bk:
         raise ValueError(f"{what}: bk={tiles.bk} must be a multiple of {tiles.min_bk}"
-                         + (" (split: one scale group per half)" if tiles.split else "")
-                         + (f" (k_sub={tiles.k_sub}: one per sub-block)" if tiles.k_sub > 1 else ""))
+                         + (" (split: one scale group per half)" if tiles.split else ""))
 
 
 def _decoders(what: str, name: str, tiles: Tiles, interpret: bool) -> dec.Decoder:
@@ -205,7 +190,7 @@ def _decoders(what: str, name: str, tiles: Tiles, interpret: bool) -> dec.Decode
     for tiles whose threads would hold fewer packed bytes than one asm instance takes."""
     if name not in dec.DECODERS:
         raise ValueError(f"{what}: decode={name!r} is not one of {sorted(dec.DECODERS)}")
-    if name in dec.GPU_ONLY and (interpret or tiles.bn * (tiles.bk // tiles.k_sub) // 2 < dec.ASM_PACK * 32 * tiles.num_warps):
+    if name in dec.GPU_ONLY and (interpret or tiles.bn * tiles.bk // 2 < dec.ASM_PACK * 32 * tiles.num_warps):
         name = dec.GPU_ONLY[name]
     return dec.DECODERS[name]
 
@@ -222,7 +207,7 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
     kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
                                num_experts=num_experts, beta=beta, linear_beta=linear_beta,
                                decode=_decoders("gate_up", decode, tiles, interpret), swap=tiles.swap,
-                               split=tiles.split, k_sub=tiles.k_sub, ids=ids)
+                               split=tiles.split, ids=ids)
     if tiles.split:
         x = split_columns(x, tiles.bk)
     return pl.pallas_call(
@@ -244,7 +229,7 @@ def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret
     grid, ids = _grid(slots // bm, latent // tiles.bn, tiles.n_first)
     kernel = functools.partial(_down_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=f // tiles.bk,
                                num_experts=num_experts, decode=_decoders("down", decode, tiles, interpret),
-                               swap=tiles.swap, split=tiles.split, k_sub=tiles.k_sub, ids=ids)
+                               swap=tiles.swap, split=tiles.split, ids=ids)
     if tiles.split:
         h = split_columns(h, tiles.bk)
     return pl.pallas_call(
