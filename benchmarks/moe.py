@@ -259,7 +259,8 @@ def main():
     ap.add_argument("--candidates", type=json.loads, default=None,
                     help='the sweep\'s candidates in place of the built-in ones, each after its regime\'s default: '
                          'a JSON list of {"regime": "decode" or "prefill", "config": {"bm": .., "gate_up": {Tiles '
-                         'fields}, "down": {..}} (default: the regime\'s tiles), "decode": a DECODERS name}')
+                         'fields}, "down": {..}} (default: the regime\'s tiles), "decode": a DECODERS name, by '
+                         'default the rows\' decode}')
     ap.add_argument("--sweep-tokens", type=int, default=512,
                     help="the token count at which the sweep times the decode regime's candidates")
     ap.add_argument("--ragged-full", action="store_true",
@@ -301,12 +302,12 @@ def main():
     # Tile sweep: a few candidates per regime, at a representative token count each.
     best = {"decode": kern.DECODE, "prefill": kern.PREFILL}
     if not args.no_sweep:
-        cands = {"decode": (args.sweep_tokens, [(c, kern.DEFAULT_DECODE) for c in sweep_configs(kern.DECODE, [dict(bk=256)])]),
-                 "prefill": (4096, [(c, kern.DEFAULT_DECODE)
+        cands = {"decode": (args.sweep_tokens, [(c, args.decode) for c in sweep_configs(kern.DECODE, [dict(bk=256)])]),
+                 "prefill": (4096, [(c, args.decode)
                                     for c in sweep_configs(kern.PREFILL, [dict(bk=128, num_stages=3)])])}
         if args.candidates is not None:
             cands = {r: (n, cs[:1] + [(TileConfig.from_dict(c["config"]) if "config" in c else cs[0][0],
-                                       c.get("decode", kern.DEFAULT_DECODE))
+                                       c.get("decode", args.decode))
                                       for c in args.candidates if c["regime"] == r])
                      for r, (n, cs) in cands.items() if any(c["regime"] == r for c in args.candidates)}
         for regime, (n, cs) in cands.items():
@@ -317,7 +318,7 @@ def main():
                     break
                 try:
                     r = measure_kernels(ex, n, c, decode)
-                    if decode == kern.DEFAULT_DECODE:
+                    if decode == args.decode:  # the best tiles are chosen for the rows' decode
                         scores.append((r["gate_up_s"] + r["down_s"], c))
                     RESULTS["sweep"].append({"regime": regime, "tokens": n, "config": repr(c), "decode": decode, **r})
                     log("sweep", regime, n, c, decode, r)
