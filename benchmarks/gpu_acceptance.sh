@@ -88,7 +88,8 @@ case $STEPS in *3*)
     -k "scale_bytes or latent_moe or bit_exact" ;;
 esac
 case $STEPS in *4*)
-  # (ARGS_4: more options, e.g. --no-sweep, whose swap candidates fail to compile on jax 0.11.2's Triton)
+  # (ARGS_4: more options, e.g. --no-sweep: the sweep's swap candidates are slower, twenty-third and twenty-seventh
+  # sessions, and with the checked decode they failed to compile on jax 0.11.2's Triton)
   step 4-moe-bench ${LIMIT_4:-300} python3 -u benchmarks/moe.py --out "$OUT" --budget-s 270 ${ARGS_4:-} ;;
 esac
 case $STEPS in *5*)  # the prefill sweep around the default, phase 1's chunks per program included
