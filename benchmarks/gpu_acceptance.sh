@@ -5,8 +5,9 @@
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmpr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): on an H200, "4" (the issue's MoE table with its XLA peers, which need
 # more than 80 GB; its Mosaic GPU rows: the whole prefill against 450 TFLOP/s), then "0" and "p" (the KDA decode
-# against fla and the copy bandwidth of the same run; the state kernel's tunings). Done 2026-12-06 (twenty-seventh session, H100): "4" with the model's decode (asm1-unchecked) and
-# ARGS_4=--no-sweep, "6" with four swap shapings and k_sub (all slower). Done 2026-12-06 (twenty-fifth session, H100): "k".
+# against fla and the copy bandwidth of the same run; the state kernel's tunings). Done 2026-12-06
+# (twenty-seventh session, H100): "4" with the model's decode (asm1-unchecked) and ARGS_4=--no-sweep, "6" with
+# four swap shapings and k_sub (all slower). Done 2026-12-06 (twenty-fifth session, H100): "k".
 # Done 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes
 # kernel 41.03 ms, 422 TFLOP/s, at 16384 tokens), "4" (kernels 454 / 451 TFLOP/s, whole 424), "d" (the Mosaic GPU
 # path 0.55-0.69x the Triton decode), the glue probe (tests/gpu/probe_moe_glue.py). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests

@@ -3,14 +3,13 @@
     PYTHONPATH=$PWD python3 benchmarks/moe.py [--tokens 1,16,64,512,4096,16384] [--out DIR] [--budget-s 300]
 
 Per token count (uniform top-16 of 896 routing): our kernels (gate+up with SiTU, down with routing weights,
-and the whole `routed_experts` incl. dispatch and combine) as TB/s of the active experts' MXFP4 bytes and
+and the whole `routed_experts` incl. dispatch and combine; with the decode the model runs on these experts,
+`routed.decoder_for` with their largest scale byte: asm1-unchecked; --decode overrides it) as TB/s of the active experts' MXFP4 bytes and
 TFLOP/s of dequantised bf16 math; at prefill token counts on the GPU also the Mosaic GPU prefill path
 (`routed_mgpu`: its two kernels alone and the whole path, against the Triton whole path and checked against
 the capacity einsum; --no-mgpu leaves it out); a diagnostic run of the same kernels with the decode replaced by a bare
 reinterpretation of the bytes (wrong values, same reads: the gap is the decode's ALU cost) and with
-decode="exact" (the longer decode of the same bits; the rows run the decode the model runs on these experts,
-asm1-unchecked, as --decode can change), both at
-16, 512 and 16384 tokens; peers in the
+decode="exact" (the longer decode of the same bits), both at 16, 512 and 16384 tokens; peers in the
 same process: `torch._grouped_mm` on bf16 weights (gate+up fused N = 6144, and down), `lax.ragged_dot` on
 dequantised bf16 weights, and a dense batched einsum with a dropless capacity (the largest group) on
 dequantised bf16 weights; the copy bandwidth (XLA elementwise, 4 GiB fp32 read + write). Correctness at
