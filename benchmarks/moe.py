@@ -4,8 +4,8 @@
 
 Per token count (uniform top-16 of 896 routing): our kernels (gate+up with SiTU, down with routing weights,
 and the whole `routed_experts` incl. dispatch and combine; with the decode the model runs on these experts,
-`routed.decoder_for` with their largest scale byte: asm1-unchecked; --decode overrides it) as TB/s of the active experts' MXFP4 bytes and
-TFLOP/s of dequantised bf16 math; at prefill token counts on the GPU also the Mosaic GPU prefill path
+`routed.decoder_for` with their largest scale byte: asm1-unchecked; --decode overrides it) as TB/s of the
+active experts' MXFP4 bytes and TFLOP/s of dequantised bf16 math; at prefill token counts on the GPU also the Mosaic GPU prefill path
 (`routed_mgpu`: its two kernels alone and the whole path, against the Triton whole path and checked against
 the capacity einsum; --no-mgpu leaves it out); a diagnostic run of the same kernels with the decode replaced by a bare
 reinterpretation of the bytes (wrong values, same reads: the gap is the decode's ALU cost) and with
