@@ -1,15 +1,15 @@
 """GPU probe (2026-12-02, fifth session): one launch of each bandwidth-bound kernel, for Nsight Compute.
 
-Runs, at K3's widths, each once after a warm-up call: the MoE gate+up and down kernels at 16 tokens
-(decode tiles, the default decode or NCU_DECODE) and the gate+up kernel at 4096 tokens (prefill tiles;
-NCU_TOKENS changes the token counts); the KDA decode step at N = 32, H = 96 (the default, and with the
-tails scattered after the kernel, or the tunings NCU_KDA names, e.g. "32x4,128x4" for value tiles x warps);
-the KDA prefill (P) at (1, 8192, 96) or NCU_PREFILL_SHAPE ("BxTxH"), with the default tuning (its two
-phases) or the tunings NCU_PREFILL lists as JSON (e.g. '[{"phase2_transposed": false}, {}]'); fla's
-`fused_recurrent_kda` (F) at the decode shape, the peer's kernel for the same counters.
-Under `ncu -k regex:"moe|kda|fused_recurrent"` the report says where each kernel's time goes (DRAM and
-shared-memory throughput, warp stalls, the SASS of its inner loop). Without ncu it is a smoke run;
-PROBE_SMALL=1 shrinks the KDA parts (K, P) for the CPU interpreter (the MoE part is GPU-sized).
+Runs, at K3's widths, each once after a warm-up call: the MoE gate+up and down kernels at 16 tokens (decode
+tiles or NCU_CONFIG's; the decode the model runs on these experts, asm1-unchecked, or NCU_DECODE) and the
+gate+up kernel at 4096 tokens (prefill tiles; NCU_TOKENS changes the token counts); the KDA decode step at N =
+32, H = 96 (the default, and with the tails scattered after the kernel, or the tunings NCU_KDA names, e.g.
+"32x4,128x4" for value tiles x warps); the KDA prefill (P) at (1, 8192, 96) or NCU_PREFILL_SHAPE ("BxTxH"),
+with the default tuning (its two phases) or the tunings NCU_PREFILL lists as JSON (e.g.
+'[{"phase2_transposed": false}, {}]'); fla's `fused_recurrent_kda` (F) at the decode shape, the peer's kernel
+for the same counters. Under `ncu -k regex:"moe|kda|fused_recurrent"` the report says where each kernel's time
+goes (DRAM and shared-memory throughput, warp stalls, the SASS of its inner loop). Without ncu it is a smoke
+run; PROBE_SMALL=1 shrinks the KDA parts (K, P) for the CPU interpreter (the MoE part is GPU-sized).
 
     ncu --clock-control none -k regex:"moe|kda|fused_recurrent" --set full -o $OUT/probe \
         python3 tests/gpu/probe_ncu.py [MKPF]
@@ -23,8 +23,10 @@ import jax  # noqa: E402
 
 from kda import decode_inputs  # noqa: E402
 from moe import E, _random_experts, kernel_parts, routing  # noqa: E402
+from kimik3_jax.checkpoint.open import expert_scale_max  # noqa: E402
 from pallas_kernels.kda.decode import kda_decode  # noqa: E402
 from pallas_kernels.moe import routed as kern  # noqa: E402
+from pallas_kernels.moe.kernels import TileConfig  # noqa: E402
 
 SMALL = bool(os.environ.get("PROBE_SMALL"))
 
@@ -33,15 +35,18 @@ def moe():
     ex = _random_experts(jax.random.PRNGKey(2), E)
     for tokens in [int(t) for t in os.environ.get("NCU_TOKENS", "16,4096").split(",")]:
         xl, idx, w = routing(tokens, tokens)
-        cfg = kern.fit(kern.choose_config(idx.size, E), xl.shape[1], ex.w1_packed.shape[1])
-        lay, gu, dn, _ = kernel_parts(cfg, os.environ.get("NCU_DECODE", kern.DEFAULT_DECODE))
+        spec = os.environ.get("NCU_CONFIG")  # a TileConfig as JSON (`TileConfig.from_dict`) in place of the default
+        cfg = kern.fit(TileConfig.from_dict(json.loads(spec)) if spec else kern.choose_config(idx.size, E),
+                       xl.shape[1], ex.w1_packed.shape[1])
+        decode = os.environ.get("NCU_DECODE") or kern.decoder_for(kern.DEFAULT_DECODE, expert_scale_max(ex))
+        lay, gu, dn, _ = kernel_parts(cfg, decode)
         lo = lay(idx, w)
         h = jax.block_until_ready(gu(xl, lo, ex))  # warm-up (compiles), then the profiled launches
         jax.block_until_ready(gu(xl, lo, ex))
         if tokens == 16:
             jax.block_until_ready(dn(h, lo, ex))
             jax.block_until_ready(dn(h, lo, ex))
-        print(f"moe {tokens} tokens: {cfg}", flush=True)
+        print(f"moe {tokens} tokens: {cfg}, decode {decode}", flush=True)
 
 
 def kda():
