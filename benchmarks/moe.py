@@ -5,21 +5,20 @@
 Per token count (uniform top-16 of 896 routing): our kernels (gate+up with SiTU, down with routing weights,
 and the whole `routed_experts` incl. dispatch and combine; with the decode the model runs on these experts,
 `routed.decoder_for` with their largest scale byte: asm1-unchecked; --decode overrides it) as TB/s of the
-active experts' MXFP4 bytes and TFLOP/s of dequantised bf16 math; at prefill token counts on the GPU also the Mosaic GPU prefill path
-(`routed_mgpu`: its two kernels alone and the whole path, against the Triton whole path and checked against
-the capacity einsum; --no-mgpu leaves it out); a diagnostic run of the same kernels with the decode replaced by a bare
-reinterpretation of the bytes (wrong values, same reads: the gap is the decode's ALU cost) and with
-decode="exact" (the longer decode of the same bits), both at 16, 512 and 16384 tokens; peers in the
-same process: `torch._grouped_mm` on bf16 weights (gate+up fused N = 6144, and down), `lax.ragged_dot` on
-dequantised bf16 weights, and a dense batched einsum with a dropless capacity (the largest group) on
-dequantised bf16 weights; the copy bandwidth (XLA elementwise, 4 GiB fp32 read + write). Correctness at
-these shapes: the kernel against the capacity einsum (both dequantise + fp32 sums) at every token count,
-and against the pure op (`routed_experts`, "gathered") at 1 and 16 tokens. Results go to DIR/moe.json.
-Every JAX call is timed as device time per call (benchmarks/timing.py, since 2026-12-03; before, calls
-over 2 ms were timed one by one from the host), as do_bench times the torch peer.
-Set XLA_PYTHON_CLIENT_PREALLOCATE=false (PyTorch shares the GPU); the PyTorch part runs first and frees
-its memory.
-"""
+active experts' MXFP4 bytes and TFLOP/s of dequantised bf16 math; at prefill token counts on the GPU also the
+Mosaic GPU prefill path (`routed_mgpu`: its two kernels alone and the whole path, against the Triton whole
+path and checked against the capacity einsum; --no-mgpu leaves it out); a diagnostic run of the same kernels
+with the decode replaced by a bare reinterpretation of the bytes (wrong values, same reads: the gap is the
+decode's ALU cost) and with decode="exact" (the longer decode of the same bits), both at 16, 512 and 16384
+tokens; peers in the same process: `torch._grouped_mm` on bf16 weights (gate+up fused N = 6144, and down),
+`lax.ragged_dot` on dequantised bf16 weights, and a dense batched einsum with a dropless capacity (the largest
+group) on dequantised bf16 weights; the copy bandwidth (XLA elementwise, 4 GiB fp32 read + write). Correctness
+at these shapes: the kernel against the capacity einsum (both dequantise + fp32 sums) at every token count,
+and against the pure op (`routed_experts`, "gathered") at 1 and 16 tokens. Results go to DIR/moe.json. Every
+JAX call is timed as device time per call (benchmarks/timing.py, since 2026-12-03; before, calls over 2 ms
+were timed one by one from the host), as do_bench times the torch peer. Set
+XLA_PYTHON_CLIENT_PREALLOCATE=false (PyTorch shares the GPU); the PyTorch part runs first and frees its
+memory. """
 
 from __future__ import annotations
 
