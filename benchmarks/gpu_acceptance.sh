@@ -114,7 +114,7 @@ case $STEPS in *7*)  # prefill tunings (KDA_CANDIDATES, a JSON list of overrides
 esac
 case $STEPS in *8*)  # MoE by device time (benchmarks/timing.py), with the decoder the model runs on real scales
   step 8-moe-device-time ${LIMIT_8:-300} python3 -u benchmarks/moe.py --out "$OUT" --no-torch --no-sweep \
-    --tokens 16,512,4096 --decode asm1-unchecked --budget-s 280 ;;
+    --tokens 16,512,4096 --budget-s 280 ;;
 esac
 case $STEPS in *9*)  # each prefill phase alone, by Nsight Compute (duration, DRAM, L2 hits, occupancy), for
   # the default and NCU_PREFILL's tunings (JSON list; null is the default) at NCU_PREFILL_SHAPE

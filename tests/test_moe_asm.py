@@ -116,3 +116,14 @@ def test_asm1_one_multiply_is_exact_up_to_its_bound_and_only_there():
     packed, scale = _cases([dec.QUICK_MAX_SCALE + 1])
     got = emulate(dec._ASM1, packed, [np.asarray(dec.asm1_factor(jnp.asarray(scale), packed.shape[-1]))])
     assert not np.array_equal(got.view(np.uint16), _want(packed, scale).view(np.uint16))
+
+
+def test_asm1r_decodes_in_its_permuted_order():
+    """_ASM1R: _ASM1's bits for every byte and scale byte 1..128, at positions 8w + p from elements
+    8w + R_PERM[p] (as `permute8` orders them, and the interpreter's stand-in)."""
+    packed, scale = _cases(range(1, dec.QUICK_MAX_SCALE + 1))
+    got = emulate(dec._ASM1R, packed, [np.asarray(dec.asm1_factor(jnp.asarray(scale), packed.shape[-1]))])
+    want = np.asarray(dec.permute8(jnp.asarray(_want(packed, scale)), dec.R_PERM))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    stand_in = np.asarray(dec.DECODERS["fast1r-unchecked"].full(jnp.asarray(packed), jnp.asarray(scale)))
+    np.testing.assert_array_equal(stand_in.view(np.uint16), want.view(np.uint16))

@@ -89,8 +89,9 @@ def _routing(rng, n, k, kind):
     return jnp.asarray(idx, jnp.int32), jnp.asarray(rng.uniform(0.05, 1.0, (n, k)), jnp.float32)
 
 
-def _check(xl, idx, w, experts, config, interpret=True):
-    got = kern.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, config=config, interpret=interpret)
+def _check(xl, idx, w, experts, config, interpret=True, decode=kern.DEFAULT_DECODE):
+    got = kern.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, config=config, interpret=interpret,
+                              decode=decode)
     want = routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, "gathered")
     assert got.dtype == jnp.float32 and got.shape == want.shape
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -233,6 +234,10 @@ def test_gpu_only_decode_has_a_bit_identical_stand_in():
     assert kern_mod._decoders("gate_up", "asm1", big, interpret=True) == dec.DECODERS["fast1"]
     assert kern_mod._decoders("down", "exact", small, interpret=True) == dec.DECODERS["exact"]
     assert kern_mod._decoders("down", "asm1-unchecked", big, interpret=True) == dec.DECODERS["fast1-unchecked"]
+    assert kern_mod._decoders("down", "asm1r-unchecked", big, interpret=True) == dec.DECODERS["fast1r-unchecked"]
+    assert kern_mod._decoders("down", "asm1r-unchecked", big, interpret=False) == dec.DECODERS["asm1r-unchecked"]
+    with pytest.raises(ValueError, match="down: decode='fast1r-unchecked' has no halves for split tiles"):
+        kern_mod._decoders("down", "asm1r-unchecked", Tiles(64, 256, split=True), interpret=True)
     assert dec.DECODERS["fast1-unchecked"].full is dec.DECODERS["fast1"].quick.full
     assert kern_mod.DEFAULT_DECODE == "asm1"
     scale = jnp.asarray([[120, 128, 129, 254]], jnp.uint8)
@@ -309,14 +314,14 @@ def test_latent_moe_through_the_switch(scale_max, monkeypatch):
     monkeypatch.setattr(kern_mod, "_decoders", lambda what, name, *a, **kw: (asked.append(name), real(what, name, *a, **kw))[1])
     ref = latent_moe(x, layer, cfg.with_runtime(impl="xla"))
     got = latent_moe(x, layer, cfg.with_runtime(impl="pallas"))
-    assert set(asked) == {"asm1" if scale_max is None else "asm1-unchecked"}
+    assert set(asked) == {"asm1" if scale_max is None else "asm1r-unchecked"}
     assert got.dtype == ref.dtype == jnp.bfloat16
     err = np.abs(np.asarray(got, np.float32) - np.asarray(ref, np.float32)).max()
     assert err <= 1e-2 * np.abs(np.asarray(ref, np.float32)).max()
 
 
 def test_known_scale_bytes_pick_the_unchecked_quick_decode():
-    assert kern.decoder_for("asm1", 128) == "asm1-unchecked"
+    assert kern.decoder_for("asm1", 128) == "asm1r-unchecked"
     assert kern.decoder_for("asm1", 129) == "asm1"
     assert kern.decoder_for("asm1", None) == "asm1"
     assert kern.decoder_for("exact", 120) == "exact" and kern.decoder_for("asm", 120) == "asm"
@@ -340,3 +345,21 @@ def test_unsupported_calls_are_refused():
         kern.supports(xl.astype(jnp.bfloat16), idx, w, dense, BETA, LINEAR_BETA)
     with pytest.raises(impl.Unsupported):
         impl.dispatch("routed_experts", "pallas", routed_experts, xl, idx, w, experts, BETA, LINEAR_BETA)
+
+
+@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+def test_permuted_decode_equals_pure_op(config):
+    """asm1r-unchecked (the model's decode on weights whose scale bytes are all <= 128; interpreted as
+    fast1r-unchecked, the same R_PERM order) decodes each 8 weights out of order: gate+up takes x's columns
+    in that order and computes h's columns from its weight rows in that order, so down reads h as written and
+    the op is unchanged."""
+    rng = np.random.default_rng(11)
+    experts = _experts(rng)
+    idx, w = _routing(rng, 40, 4, "skewed")
+    xl = jnp.asarray(rng.standard_normal((40, L)), jnp.bfloat16)
+    _check(xl, idx, w, experts, config, decode="asm1r-unchecked")
+
+
+def test_permuted_rows_follow_permute8():
+    rows = np.asarray(kern_mod._permuted_rows(64, 32, dec.R_PERM))
+    np.testing.assert_array_equal(rows, 64 + np.asarray(dec.permute8(jnp.arange(32), dec.R_PERM)))

@@ -209,20 +209,42 @@ def asm1_factor(scale: jax.Array, half: int) -> jax.Array:
     return _factor_word(scale.astype(jnp.uint32) + jnp.uint32(126), half)
 
 
-def decode_asm1_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+def decode_asm1_halves(packed: jax.Array, scale: jax.Array, asm: str = _ASM1) -> tuple[jax.Array, jax.Array]:
     """Same bits as `decode_asm_halves` for scale bytes up to QUICK_MAX_SCALE, with one multiply and no
-    regrouping (see _ASM1); wrong above it. Kernels use it only for a program whose scale bytes all allow it
-    (`Decoder.quick`). GPU only."""
+    regrouping (see _ASM1; asm may be _ASM1R, the same bits in another order); wrong above it. Kernels use it
+    only for a program whose scale bytes all allow it (`Decoder.quick`). GPU only."""
     rows, half = packed.shape
     pairs = pltriton.elementwise_inline_asm(
-        _ASM1, args=[packed, asm1_factor(scale, half)], constraints="=r,=r,=r,=r," + ",".join(["r"] * 5),
+        asm, args=[packed, asm1_factor(scale, half)], constraints="=r,=r,=r,=r," + ",".join(["r"] * 5),
         pack=ASM_PACK, result_shape_dtypes=[jax.ShapeDtypeStruct((rows, half), jnp.int32)])[0]
     return _bf16(pairs), _bf16(jax.lax.shift_right_logical(pairs, 16))
 
 
-def decode_asm1(packed: jax.Array, scale: jax.Array) -> jax.Array:
+def decode_asm1(packed: jax.Array, scale: jax.Array, asm: str = _ASM1) -> jax.Array:
     """`decode_asm1_halves` in element order (GPU only; scale bytes <= QUICK_MAX_SCALE)."""
-    return interleave(*decode_asm1_halves(packed, scale))
+    return interleave(*decode_asm1_halves(packed, scale, asm))
+
+
+# "asm1r": _ASM1 without the prmt. The shifted copies q, q << 4, q << 8 and q << 12 bring the nibble pairs
+# (hi1, hi3), (lo1, lo3), (hi0, hi2) and (lo0, lo2) to bits 12-15 and 28-31, each then placed and scaled as in
+# _ASM1: per 4 bytes 3 shifts and 4 x (2 ands, shift, or, multiply). The results come in a fixed order within
+# every 8 elements, R_PERM: position 8w + p holds element 8w + R_PERM[p]. The kernels take the activation's
+# columns in that order (`Decoder.perm8`), and gate+up writes h in it for down.
+def _place_r(dst: str, src: str, k: int) -> str:
+    return (f"and.b32 t, {src}, 0x70007000; shr.b32 t, t, 6; and.b32 m, {src}, 0x80008000; or.b32 t, t, m; "
+            f"fma.rn.bf16x2 {dst}, t, ${5 + k}, z; ")
+
+
+_ASM1R = ("{ .reg .b32 a, b, c, t, m, z; mov.b32 z, 0x80008000; shl.b32 a, $4, 4; shl.b32 b, $4, 8; "
+          "shl.b32 c, $4, 12; " + _place_r("$0", "$4", 0) + _place_r("$1", "a", 1) + _place_r("$2", "b", 2)
+          + _place_r("$3", "c", 3) + "}")
+R_PERM = (3, 7, 2, 6, 1, 5, 0, 4)
+
+
+def decode_asm1r(packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """_ASM1R's decode [r, c], in R_PERM order within every 8 elements (GPU only; scale bytes up to
+    QUICK_MAX_SCALE, wrong above)."""
+    return decode_asm1(packed, scale, _ASM1R)
 
 
 def _fast_capped_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -236,6 +258,18 @@ def _fast_capped(packed: jax.Array, scale: jax.Array) -> jax.Array:
     return interleave(*_fast_capped_halves(packed, scale))
 
 
+def permute8(a: jax.Array, perm8) -> jax.Array:
+    """[..., K] -> [..., K] with position 8w + p taken from 8w + perm8[p] (a decoder's `perm8` order)."""
+    *lead, k = a.shape
+    v = a.reshape(*lead, k // 8, 8)
+    return jnp.stack([v[..., p] for p in perm8], axis=-1).reshape(*lead, k)  # static slices: no constants
+
+
+def _fast_capped_r(packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """The interpreter's stand-in for `decode_asm1r`: `_fast_capped`'s values in the same R_PERM order."""
+    return permute8(_fast_capped(packed, scale), R_PERM)
+
+
 class Decoder(NamedTuple):
     """An in-register decode: into element order [r, c] (`full`) and into (even, odd) halves [r, c/2] each;
     optionally a quicker decoder, exact only for scale bytes up to quick_max, which a kernel program runs
@@ -244,6 +278,7 @@ class Decoder(NamedTuple):
     halves: Callable
     quick: "Decoder | None" = None
     quick_max: int = 0
+    perm8: tuple | None = None  # `full` puts element 8w + perm8[p] at position 8w + p (None: element order)
 
 
 DECODERS = {"exact": Decoder(decode, decode_halves), "fast": Decoder(decode_fast, decode_fast_halves),
@@ -252,10 +287,14 @@ DECODERS = {"exact": Decoder(decode, decode_halves), "fast": Decoder(decode_fast
             "fast1": Decoder(decode_fast, decode_fast_halves, Decoder(_fast_capped, _fast_capped_halves),
                              QUICK_MAX_SCALE),
             "reinterpret": Decoder(reinterpret, reinterpret_halves)}
-# A decoder with a quick one, and the name of its quick decoder alone (no per-program choice): for weights
-# whose scale bytes are all <= its quick_max (the caller's promise; wrong values past it).
-UNCHECKED = {"asm1": "asm1-unchecked", "fast1": "fast1-unchecked"}
-DECODERS.update({UNCHECKED[name]: DECODERS[name].quick for name in UNCHECKED})
-# Decoders that only compile for the GPU, and the decoder with the same bits that stands in for them in the
-# interpreter (and for tiles too small for their packing).
-GPU_ONLY = {"asm": "fast", "asm1": "fast1", "asm1-unchecked": "fast1-unchecked"}
+# Quick decoders alone (no per-program choice): for weights whose scale bytes are all <= QUICK_MAX_SCALE (the
+# caller's promise; wrong values past it). The R_PERM ones have no halves (the split tiles refuse them).
+DECODERS.update({"asm1-unchecked": DECODERS["asm1"].quick, "fast1-unchecked": DECODERS["fast1"].quick,
+                 "asm1r-unchecked": Decoder(decode_asm1r, None, perm8=R_PERM),
+                 "fast1r-unchecked": Decoder(_fast_capped_r, None, perm8=R_PERM)})
+# A decoder with a quick one, and the unchecked decoder that replaces it when the caller knows every scale byte
+# is <= its quick_max (`routed.decoder_for`).
+UNCHECKED = {"asm1": "asm1r-unchecked", "fast1": "fast1-unchecked"}
+# Decoders that only compile for the GPU, and the decoder with the same bits (in the same order) that stands
+# in for them in the interpreter (and for tiles too small for their packing).
+GPU_ONLY = {"asm": "fast", "asm1": "fast1", "asm1-unchecked": "fast1-unchecked", "asm1r-unchecked": "fast1r-unchecked"}

@@ -122,6 +122,17 @@ def _grid(tiles: int, blocks: int, n_first: bool):
     return (tiles, blocks), lambda: (pl.program_id(0), pl.program_id(1))
 
 
+def _permuted_rows(start, size: int, perm8):
+    """The row indices start + 8w + perm8[p] for positions 8w + p < size: the weight rows whose outputs land in
+    a `decode.Decoder.perm8` order."""
+    i = jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
+    p = i % 8
+    src = jnp.zeros_like(i)
+    for k, v in enumerate(perm8):
+        src = jnp.where(p == k, v, src)
+    return start + i - p + src
+
+
 def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3p_ref, w3s_ref, h_ref, *,
                     bm, bn, bk, num_k, num_experts, beta, linear_beta, decode, swap, split, ids):
     t, j = ids()
@@ -131,10 +142,14 @@ def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3
     def _():
         rows = slot_token_ref[pl.ds(t * bm, bm)]  # x is gathered by the tile's tokens
         n = pl.ds(j * bn, bn)
+        # With a permuting decoder, h's columns come out in its order (down's K takes them so): column
+        # 8w + p is computed from weight row 8w + perm8[p].
+        n_w = n if decode.perm8 is None else _permuted_rows(j * bn, bn, decode.perm8)
         zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
 
         def loop(d):
-            prod = functools.partial(_block_product, x_ref, rows, e=e, n=n, bk=bk, decode=d, swap=swap, split=split)
+            prod = functools.partial(_block_product, x_ref, rows, e=e, n=n_w, bk=bk, decode=d, swap=swap,
+                                     split=split)
 
             def step(kb, accs):
                 a1, a3 = accs
@@ -142,7 +157,7 @@ def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3
 
             return jax.lax.fori_loop(0, num_k, step, (zero, zero))
 
-        a1, a3 = _k_loop(loop, decode, (w1s_ref, w3s_ref), e, n, bn=bn, bk=bk, num_k=num_k)
+        a1, a3 = _k_loop(loop, decode, (w1s_ref, w3s_ref), e, n_w, bn=bn, bk=bk, num_k=num_k)
         h = situ(a1, a3, beta, linear_beta).astype(h_ref.dtype)
         h_ref[pl.ds(t * bm, bm), n] = h.T if swap else h
 
@@ -192,22 +207,28 @@ def _decoders(what: str, name: str, tiles: Tiles, interpret: bool) -> dec.Decode
         raise ValueError(f"{what}: decode={name!r} is not one of {sorted(dec.DECODERS)}")
     if name in dec.GPU_ONLY and (interpret or tiles.bn * tiles.bk // 2 < dec.ASM_PACK * 32 * tiles.num_warps):
         name = dec.GPU_ONLY[name]
-    return dec.DECODERS[name]
+    decoder = dec.DECODERS[name]
+    if tiles.split and decoder.halves is None:
+        raise ValueError(f"{what}: decode={name!r} has no halves for split tiles")
+    return decoder
 
 
 def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, bm: int, tiles: Tiles,
             interpret: bool | None = None, decode: str = DEFAULT_DECODE):
-    """x [N, L] bf16, w1/w3 packed [E, F, L/2] + scales [E, F, L/32] -> h [T*bm, F] in x's dtype."""
+    """x [N, L] bf16, w1/w3 packed [E, F, L/2] + scales [E, F, L/32] -> h [T*bm, F] in x's dtype, its columns
+    in the decoder's `perm8` order if it has one (as `down` with the same decode takes h)."""
     num_experts, f, half = w1p.shape
     latent = 2 * half
     check_tiles("gate_up", f, latent, tiles)
     interpret = resolve_interpret(interpret)
     slots = slot_token.shape[0]
     grid, ids = _grid(slots // bm, f // tiles.bn, tiles.n_first)
+    decoder = _decoders("gate_up", decode, tiles, interpret)
     kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
-                               num_experts=num_experts, beta=beta, linear_beta=linear_beta,
-                               decode=_decoders("gate_up", decode, tiles, interpret), swap=tiles.swap,
-                               split=tiles.split, ids=ids)
+                               num_experts=num_experts, beta=beta, linear_beta=linear_beta, decode=decoder,
+                               swap=tiles.swap, split=tiles.split, ids=ids)
+    if decoder.perm8 is not None:  # one pass over the tokens' rows, in the decoded weights' K order
+        x = dec.permute8(x, decoder.perm8)
     if tiles.split:
         x = split_columns(x, tiles.bk)
     return pl.pallas_call(
@@ -219,7 +240,8 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
 
 def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret: bool | None = None,
          decode: str = DEFAULT_DECODE):
-    """h [T*bm, F] bf16, w2 packed [E, L, F/2] + scales [E, L, F/32] -> y [T*bm, L] fp32, each slot's row
+    """h [T*bm, F] bf16 (as `gate_up` with the same decode writes it: its columns in the decoder's `perm8`
+    order if it has one), w2 packed [E, L, F/2] + scales [E, L, F/32] -> y [T*bm, L] fp32, each slot's row
     times its routing weight."""
     num_experts, latent, half = w2p.shape
     f = 2 * half

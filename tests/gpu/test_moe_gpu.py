@@ -30,12 +30,14 @@ def test_compiled_kernel_equals_pure_op(config, n, k, kind):
     cpu._check(xl, idx, w, experts, config, interpret=False)
 
 
-@pytest.mark.parametrize("decode,top", [(dec.decode, 254), (dec.decode_fast, 254), (dec.decode_asm, 254),
-                                        (dec.decode_asm1, dec.QUICK_MAX_SCALE)], ids=["exact", "fast", "asm", "asm1"])
-def test_compiled_decode_is_bit_exact_for_every_byte_and_scale(decode, top):
+@pytest.mark.parametrize("decode,top,perm8", [(dec.decode, 254, None), (dec.decode_fast, 254, None),
+                                              (dec.decode_asm, 254, None), (dec.decode_asm1, dec.QUICK_MAX_SCALE, None),
+                                              (dec.decode_asm1r, dec.QUICK_MAX_SCALE, dec.R_PERM)],
+                         ids=["exact", "fast", "asm", "asm1", "asm1r"])
+def test_compiled_decode_is_bit_exact_for_every_byte_and_scale(decode, top, perm8):
     """Compiled, so the GPU's own float semantics (subnormals, fp16 conversion) meet every code: every
     byte at every scale byte 1..top (asm1's one-multiply decoder serves scale bytes up to QUICK_MAX_SCALE;
-    the kernels send programs with larger ones to "asm")."""
+    the kernels send programs with larger ones to "asm"; asm1r gives asm1's bits in its perm8 order)."""
     def kernel(p_ref, s_ref, o_ref):
         o_ref[...] = decode(p_ref[...], s_ref[...])
     packed = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
@@ -43,6 +45,7 @@ def test_compiled_decode_is_bit_exact_for_every_byte_and_scale(decode, top):
     got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((256, 512), jnp.bfloat16), interpret=False,
                          compiler_params=_CompilerParams(num_warps=4))(jnp.asarray(packed), jnp.asarray(scale))
     want = mxfp4.dequantize(packed, scale, jnp.bfloat16)
+    want = want if perm8 is None else dec.permute8(want, perm8)
     bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
     np.testing.assert_array_equal(bits(got), bits(want))
 
@@ -67,12 +70,15 @@ def test_compiled_decode_equals_exact(config, n, k, kind, wide, decode):
     assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("decode", ["asm1-unchecked", "asm1r-unchecked"])
 @pytest.mark.parametrize("config", [cpu.DECODE, cpu.PREFILL, None], ids=["decode", "prefill", "default"])
 @pytest.mark.parametrize("n,k,kind", [(1, 4, "random"), (33, 1, "one_expert"), (600, 4, "random")])
-def test_compiled_unchecked_quick_decode_equals_exact(config, n, k, kind):
-    """decode="asm1-unchecked" (asm1's quick decoder in every program, no per-program choice) on weights
-    whose scale bytes all allow it (122..128), as the test above."""
-    test_compiled_decode_equals_exact(config, n, k, kind, False, "asm1-unchecked")
+def test_compiled_unchecked_quick_decode_equals_exact(config, n, k, kind, decode):
+    """decode="asm1-unchecked" (asm1's quick decoder in every program, no per-program choice) and
+    "asm1r-unchecked" (the same bits in R_PERM order, with x's columns and h's in that order: the model's
+    decode when every scale byte is <= 128) on weights whose scale bytes all allow it (122..128), as the test
+    above (the permuted sums run in another order)."""
+    test_compiled_decode_equals_exact(config, n, k, kind, False, decode)
 
 
 def test_compiled_scale_bytes_and_skipped_pairs():
@@ -93,8 +99,13 @@ def test_compiled_scale_bytes_and_skipped_pairs():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_compiled_latent_moe_through_the_switch():
+@pytest.mark.parametrize("known", [False, True], ids=["unknown-scales", "known-scales"])
+def test_compiled_latent_moe_through_the_switch(known):
+    """The whole latent MoE with the kernels compiled, the experts' largest scale byte unknown (asm1) or known
+    (`Runtime.expert_scale_max`, <= 128 here: asm1r-unchecked)."""
     cfg, layer, x = cpu.bf16_moe_layer()
+    if known:
+        cfg = cfg.with_runtime(expert_scale_max=cpu.expert_scale_max(layer.experts))
     ref = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl="xla")), np.float32)
     for impl in ("pallas", "auto"):
         got = np.asarray(latent_moe(x, layer, cfg.with_runtime(impl=impl)), np.float32)
