@@ -4,7 +4,7 @@
 
 Per token count (uniform top-16 of 896 routing): our kernels (gate+up with SiTU, down with routing weights,
 and the whole `routed_experts` incl. dispatch and combine; with the decode the model runs on these experts,
-`routed.decoder_for` with their largest scale byte: asm1-unchecked; --decode overrides it) as TB/s of the
+`routed.decoder_for` with their largest scale byte: asm1r-unchecked; --decode overrides it) as TB/s of the
 active experts' MXFP4 bytes and TFLOP/s of dequantised bf16 math; at prefill token counts on the GPU also the
 Mosaic GPU prefill path (`routed_mgpu`: its two kernels alone and the whole path, against the Triton whole
 path and checked against the capacity einsum; --no-mgpu leaves it out); a diagnostic run of the same kernels
@@ -253,7 +253,7 @@ def main():
     ap.add_argument("--decode", default=None,
                     help="the rows' decode (a DECODERS name); default: the one the model runs on these experts "
                          "(`routed.decoder_for` with their largest scale byte, as the loader sets "
-                         "Runtime.expert_scale_max: asm1-unchecked for the generated ones, bytes 119..120)")
+                         "Runtime.expert_scale_max: asm1r-unchecked for the generated ones, bytes 119..120)")
     ap.add_argument("--candidates", type=json.loads, default=None,
                     help='the sweep\'s candidates in place of the built-in ones, each after its regime\'s default: '
                          'a JSON list of {"regime": "decode" or "prefill", "config": {"bm": .., "gate_up": {Tiles '

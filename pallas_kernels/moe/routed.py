@@ -97,9 +97,10 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
     the program's weight rows allows it, else "asm"; "fast1" in the interpreter), "asm" (PTX, "fast" in the
     interpreter), "fast" and "exact" give the same bits with fewer or more integer operations; "reinterpret"
     is a benchmark diagnostic (wrong values). `scale_max`, the experts' largest scale byte when known
-    (`Runtime.expert_scale_max`): at most 128 turns "asm1" into "asm1-unchecked" (`decoder_for`), which
+    (`Runtime.expert_scale_max`): at most 128 turns "asm1" into "asm1r-unchecked" (`decoder_for`), which
     skips asm1's per-program check (on the H200, 2026-12-03: decode gate+up 12% and prefill down 26-35%
-    faster at K3 widths, the same bits). `prefill_kernels` (default PREFILL_KERNELS): "triton" or "mgpu" for
+    faster at K3 widths, the same bits) and its prmt (the same bits in an order the kernels follow; on the
+    H100, 2026-12-07, Nsight Compute at 16 tokens: gate+up 2% and down 8% faster). `prefill_kernels` (default PREFILL_KERNELS): "triton" or "mgpu" for
     the prefill regime when `config` is not given."""
     del strategy
     decode = decoder_for(decode, scale_max)

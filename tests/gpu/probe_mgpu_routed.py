@@ -1,9 +1,9 @@
 """GPU probe (first run 2026-12-05 on the H200: docs/benchmarks.md, eighteenth session): the routed experts on Mosaic GPU (`pallas_kernels/moe/routed_mgpu.py`)
 at K3's widths (latent 3584, expert width 3072, 896 experts, top-16), against the Triton kernels' whole path
-(`pallas_kernels/moe/routed.py`, its tiles for the token count, asm1-unchecked: GPU-checked against the pure op
-before) on the same inputs: relative max error per token row, device time, TFLOP/s of the dequantised math, TB/s
-of the chosen experts' MXFP4 bytes, and the XLA glue's share (the whole path's time less the two grouped kernels
-timed alone on the same dispatch).
+(`pallas_kernels/moe/routed.py`, its tiles for the token count, the decode for scale bytes <= 128: GPU-checked
+against the pure op before) on the same inputs: relative max error per token row, device time, TFLOP/s of the
+dequantised math, TB/s of the chosen experts' MXFP4 bytes, and the XLA glue's share (the whole path's time less
+the two grouped kernels timed alone on the same dispatch).
 
     python3 tests/gpu/probe_mgpu_routed.py                  # 4096 and 16384 tokens
     MGPU_TOKENS=4096 MGPU_TUNINGS='[{}, {"tile_t": 256, "stages": 2}]' python3 tests/gpu/probe_mgpu_routed.py

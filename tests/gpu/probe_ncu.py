@@ -1,7 +1,7 @@
 """GPU probe (2026-12-02, fifth session): one launch of each bandwidth-bound kernel, for Nsight Compute.
 
 Runs, at K3's widths, each once after a warm-up call: the MoE gate+up and down kernels at 16 tokens (decode
-tiles or NCU_CONFIG's; the decode the model runs on these experts, asm1-unchecked, or NCU_DECODE) and the
+tiles or NCU_CONFIG's; the decode the model runs on these experts, asm1r-unchecked, or NCU_DECODE) and the
 gate+up kernel at 4096 tokens (prefill tiles; NCU_TOKENS changes the token counts); the KDA decode step at N =
 32, H = 96 (the default, and with the tails scattered after the kernel, or the tunings NCU_KDA names, e.g.
 "32x4,128x4" for value tiles x warps); the KDA prefill (P) at (1, 8192, 96) or NCU_PREFILL_SHAPE ("BxTxH"),
