@@ -326,6 +326,8 @@ def test_known_scale_bytes_pick_the_unchecked_quick_decode():
     assert kern.decoder_for("asm1", None) == "asm1"
     assert kern.decoder_for("exact", 120) == "exact" and kern.decoder_for("asm", 120) == "asm"
     assert kern.decoder_for("fast1", 128) == "fast1-unchecked"
+    assert kern.decoder_for("asm1", 128, split=True) == "asm1-unchecked"  # R_PERM's decoder has no halves
+    assert kern.decoder_for("asm1", 129, split=True) == "asm1"
     assert dec.DECODERS["asm1-unchecked"] is dec.DECODERS["asm1"].quick
     with pytest.raises(ConfigError, match="expert_scale_max"):
         Runtime(expert_scale_max=256)
@@ -363,3 +365,19 @@ def test_permuted_decode_equals_pure_op(config):
 def test_permuted_rows_follow_permute8():
     rows = np.asarray(kern_mod._permuted_rows(64, 32, dec.R_PERM))
     np.testing.assert_array_equal(rows, 64 + np.asarray(dec.permute8(jnp.arange(32), dec.R_PERM)))
+
+
+def test_split_tiles_with_known_scale_bytes_take_a_decoder_with_halves():
+    """Known scale bytes <= 128 pick asm1r-unchecked, which has no halves: split tiles take asm1-unchecked
+    (interpreted as fast1-unchecked) instead, and the op is unchanged."""
+    rng = np.random.default_rng(12)
+    experts = _experts(rng)
+    idx, w = _routing(rng, 20, 4, "skewed")
+    xl = jnp.asarray(rng.standard_normal((20, L)), jnp.bfloat16)
+    scale_max = int(expert_scale_max(experts))
+    assert kern.decoder_for("asm1", scale_max) == "asm1r-unchecked"
+    got = kern.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, config=VARIANTS["decode-split"],
+                              interpret=True, scale_max=scale_max)
+    want = kern.routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, config=VARIANTS["decode-split"],
+                               interpret=True, decode="fast1-unchecked")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -295,6 +295,7 @@ DECODERS.update({"asm1-unchecked": DECODERS["asm1"].quick, "fast1-unchecked": DE
 # A decoder with a quick one, and the unchecked decoder that replaces it when the caller knows every scale byte
 # is <= its quick_max (`routed.decoder_for`).
 UNCHECKED = {"asm1": "asm1r-unchecked", "fast1": "fast1-unchecked"}
+UNCHECKED_HALVES = {"asm1": "asm1-unchecked", "fast1": "fast1-unchecked"}  # the same, for split tiles
 # Decoders that only compile for the GPU, and the decoder with the same bits (in the same order) that stands
 # in for them in the interpreter (and for tiles too small for their packing).
 GPU_ONLY = {"asm": "fast", "asm1": "fast1", "asm1-unchecked": "fast1-unchecked", "asm1r-unchecked": "fast1r-unchecked"}

@@ -54,12 +54,13 @@ def _packed(experts) -> bool:
                                              "w2_scale"))
 
 
-def decoder_for(decode: str, scale_max: int | None) -> str:
-    """The decode a call runs: a decoder with a quick one (asm1, fast1) becomes its quick decoder alone
+def decoder_for(decode: str, scale_max: int | None, split: bool = False) -> str:
+    """The decode a call runs: a decoder with a quick one (asm1, fast1) becomes an unchecked quick decoder
     (`decode.UNCHECKED`: no per-program check of the scale bytes) when the weights' largest scale byte is
-    known to be within the quick decoder's range."""
+    known to be within the quick decoder's range; with split tiles (`Tiles.split`), one that has halves."""
     if decode in dec.UNCHECKED and scale_max is not None and scale_max <= dec.DECODERS[decode].quick_max:
-        return dec.UNCHECKED[decode]
+        name = dec.UNCHECKED[decode]
+        return dec.UNCHECKED_HALVES[decode] if split and dec.DECODERS[name].halves is None else name
     return decode
 
 
@@ -103,10 +104,10 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
     H100, 2026-12-07, Nsight Compute at 16 tokens: gate+up 2% and down 8% faster). `prefill_kernels` (default PREFILL_KERNELS): "triton" or "mgpu" for
     the prefill regime when `config` is not given."""
     del strategy
-    decode = decoder_for(decode, scale_max)
     n, k = idx.shape
     num_experts, width, half = experts.w1_packed.shape
     chosen = config or choose_config(n * k, num_experts)
+    decode = decoder_for(decode, scale_max, chosen.gate_up.split or chosen.down.split)
     prefill_kernels = prefill_kernels or PREFILL_KERNELS
     if prefill_kernels not in ("triton", "mgpu"):
         raise ValueError(f"routed_experts kernel: prefill_kernels must be 'triton' or 'mgpu', got {prefill_kernels!r}")
