@@ -288,7 +288,7 @@ DECODERS = {"exact": Decoder(decode, decode_halves), "fast": Decoder(decode_fast
                              QUICK_MAX_SCALE),
             "reinterpret": Decoder(reinterpret, reinterpret_halves)}
 # Quick decoders alone (no per-program choice): for weights whose scale bytes are all <= QUICK_MAX_SCALE (the
-# caller's promise; wrong values past it). The R_PERM ones have no halves (the split tiles refuse them).
+# caller's promise; wrong values past it). The R_PERM ones have no halves: split tiles take UNCHECKED_HALVES.
 DECODERS.update({"asm1-unchecked": DECODERS["asm1"].quick, "fast1-unchecked": DECODERS["fast1"].quick,
                  "asm1r-unchecked": Decoder(decode_asm1r, None, perm8=R_PERM),
                  "fast1r-unchecked": Decoder(_fast_capped_r, None, perm8=R_PERM)})

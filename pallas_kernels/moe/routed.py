@@ -101,8 +101,9 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
     (`Runtime.expert_scale_max`): at most 128 turns "asm1" into "asm1r-unchecked" (`decoder_for`), which
     skips asm1's per-program check (on the H200, 2026-12-03: decode gate+up 12% and prefill down 26-35%
     faster at K3 widths, the same bits) and its prmt (the same bits in an order the kernels follow; on the
-    H100, 2026-12-07, Nsight Compute at 16 tokens: gate+up 2% and down 8% faster). `prefill_kernels` (default PREFILL_KERNELS): "triton" or "mgpu" for
-    the prefill regime when `config` is not given."""
+    H100, 2026-12-07, Nsight Compute at 16 tokens: gate+up 2% and down 8% faster); split tiles keep
+    "asm1-unchecked". `prefill_kernels` (default PREFILL_KERNELS): "triton" or "mgpu" for the prefill regime
+    when `config` is not given."""
     del strategy
     n, k = idx.shape
     num_experts, width, half = experts.w1_packed.shape

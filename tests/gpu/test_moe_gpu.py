@@ -1,8 +1,8 @@
 """The MXFP4 MoE kernels compiled for the GPU (not interpreted): the CPU suite's cases (tests/test_moe_kernels.py),
 every decode bit for bit against the reference (every byte and scale; asm1's one-multiply decoder for
-the scales it serves), decode="fast", "asm" and "asm1" (the default) against decode="exact" on whole
-paths, and the whole latent
-MoE through the switch. The benchmark shapes (K3 widths, 896 experts) are checked by
+the scales it serves; asm1r's in its order), decode="fast", "asm" and "asm1" (the default) and the unchecked
+quick decodes (asm1r-unchecked: the model's on scale bytes known to be <= 128) against decode="exact" on whole
+paths, and the whole latent MoE through the switch. The benchmark shapes (K3 widths, 896 experts) are checked by
 benchmarks/moe.py in the same run as the timings."""
 
 import jax
