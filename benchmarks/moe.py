@@ -292,36 +292,37 @@ def main():
     ex = jax.block_until_ready(_random_experts(jax.random.PRNGKey(0), E))
     scale_max = expert_scale_max(ex)  # as the loader sets Runtime.expert_scale_max
     RESULTS["meta"]["expert_scale_max"] = scale_max
-    args.decode = args.decode or kern.decoder_for(kern.DEFAULT_DECODE, scale_max)
-    RESULTS["meta"]["decode"] = args.decode
+    def rows_decode(cfg):  # --decode, or the decode the model runs on these experts with tiles cfg
+        return args.decode or kern.decoder_for(kern.DEFAULT_DECODE, scale_max, cfg)
+    RESULTS["meta"]["decode"] = rows_decode(None)
     mgpu = not args.no_mgpu and (jax.devices()[0].platform == "gpu" or MGPU_MATMUL is not None) and rm.fits(L, F)
     log("experts generated; largest scale byte", scale_max, "; Mosaic GPU prefill rows:", mgpu)
 
     # Tile sweep: a few candidates per regime, at a representative token count each.
     best = {"decode": kern.DECODE, "prefill": kern.PREFILL}
     if not args.no_sweep:
-        cands = {"decode": (args.sweep_tokens, [(c, args.decode) for c in sweep_configs(kern.DECODE, [dict(bk=256)])]),
-                 "prefill": (4096, [(c, args.decode)
-                                    for c in sweep_configs(kern.PREFILL, [dict(bk=128, num_stages=3)])])}
+        # (tiles, decode named by the candidate or None: the rows' decode on those tiles)
+        cands = {"decode": (args.sweep_tokens, [(c, None) for c in sweep_configs(kern.DECODE, [dict(bk=256)])]),
+                 "prefill": (4096, [(c, None) for c in sweep_configs(kern.PREFILL, [dict(bk=128, num_stages=3)])])}
         if args.candidates is not None:
             cands = {r: (n, cs[:1] + [(TileConfig.from_dict(c["config"]) if "config" in c else cs[0][0],
-                                       c.get("decode", args.decode))
-                                      for c in args.candidates if c["regime"] == r])
+                                       c.get("decode")) for c in args.candidates if c["regime"] == r])
                      for r, (n, cs) in cands.items() if any(c["regime"] == r for c in args.candidates)}
         for regime, (n, cs) in cands.items():
             scores, default_out = [], None  # the default tiles' output (cs[0]), once it ran
             xl, idx, w = routing(n, n)
-            for c, decode in cs:
+            for i, (c, named) in enumerate(cs):
                 if late(0.9 if args.sweep_only else 0.45):
                     break
+                decode = named or rows_decode(c)
                 try:
                     r = measure_kernels(ex, n, c, decode)
-                    if decode == args.decode:  # the best tiles are chosen for the rows' decode
+                    if named is None:  # the best tiles are chosen for the rows' decode
                         scores.append((r["gate_up_s"] + r["down_s"], c))
                     RESULTS["sweep"].append({"regime": regime, "tokens": n, "config": repr(c), "decode": decode, **r})
                     log("sweep", regime, n, c, decode, r)
                     got = kernel_fn(kern.fit(c, L, F), decode)(xl, idx, w, ex)  # the program just timed
-                    if (c, decode) == cs[0]:
+                    if i == 0:
                         default_out = got
                     elif default_out is not None:  # the same op: against the default tiles' output
                         record_check(n, f"sweep {regime} {c} {decode} vs default", got, default_out)
@@ -354,7 +355,7 @@ def main():
         row["config"] = repr(cfg)
         row_cfg[n] = kern.fit(cfg, L, F)
         try:
-            r = measure_kernels(ex, n, cfg, args.decode)
+            r = measure_kernels(ex, n, cfg, rows_decode(cfg))
             row.update(r)
             row["gate_up_tb_s"] = nb["gate_up"] / r["gate_up_s"] / 1e12
             row["down_tb_s"] = nb["down"] / r["down_s"] / 1e12
@@ -386,7 +387,7 @@ def main():
                 if "whole_s" in row:
                     row[variant + "_speedup"] = {k: row[k] / r[k] for k in ("gate_up_s", "down_s", "whole_s")}
                 if variant == "exact":  # same weights, summed in the order the compiled kernels choose
-                    record_check(n, "decode exact (whole path)", kernel_fn(row_cfg[n], args.decode)(xl, idx, w, ex),
+                    record_check(n, "decode exact (whole path)", kernel_fn(row_cfg[n], rows_decode(row_cfg[n]))(xl, idx, w, ex),
                                  kernel_fn(row_cfg[n], "exact")(xl, idx, w, ex))
             except Exception as exc:  # noqa: BLE001
                 row[variant + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -408,7 +409,7 @@ def main():
         ein = make_capacity_einsum(cap)
         got = None
         try:
-            got = kernel_fn(row_cfg[n], args.decode)(xl, idx, w, ex)
+            got = kernel_fn(row_cfg[n], rows_decode(row_cfg[n]))(xl, idx, w, ex)
             if n <= 16:  # needs no dense weights: runs even when the einsum does not
                 want = jax.jit(lambda a, b, c, e: routed_experts(a, b, c, e, BETA, LINEAR_BETA, "gathered"))(
                     xl, idx, w, ex)
@@ -447,7 +448,7 @@ def main():
             w = jnp.full((n, K_TOP), 0.05, jnp.float32)
             xl = jax.random.normal(k2, (n, L), jnp.float32).astype(jnp.bfloat16)
             rs = timeit(jax.jit(ragged), xl, idx, w, *sub)
-            ks = timeit(kernel_fn(None, args.decode), xl, idx, w, sub_ex)
+            ks = timeit(kernel_fn(None, rows_decode(None)), xl, idx, w, sub_ex)
             fl = sum(kern.flops(n * K_TOP, L, F).values())
             RESULTS["ragged_64x256"] = {"ragged_s": rs, "kernel_s": ks, "ragged_tflops": fl / rs / 1e12,
                                         "kernel_tflops": fl / ks / 1e12}

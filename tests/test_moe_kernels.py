@@ -326,8 +326,9 @@ def test_known_scale_bytes_pick_the_unchecked_quick_decode():
     assert kern.decoder_for("asm1", None) == "asm1"
     assert kern.decoder_for("exact", 120) == "exact" and kern.decoder_for("asm", 120) == "asm"
     assert kern.decoder_for("fast1", 128) == "fast1-unchecked"
-    assert kern.decoder_for("asm1", 128, split=True) == "asm1-unchecked"  # R_PERM's decoder has no halves
-    assert kern.decoder_for("asm1", 129, split=True) == "asm1"
+    assert kern.decoder_for("asm1", 128, VARIANTS["decode-split"]) == "asm1-unchecked"  # asm1r has no halves
+    assert kern.decoder_for("asm1", 128, VARIANTS["decode-swap"]) == "asm1r-unchecked"
+    assert kern.decoder_for("asm1", 129, VARIANTS["decode-split"]) == "asm1"
     assert dec.DECODERS["asm1-unchecked"] is dec.DECODERS["asm1"].quick
     with pytest.raises(ConfigError, match="expert_scale_max"):
         Runtime(expert_scale_max=256)

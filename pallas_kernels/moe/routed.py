@@ -54,12 +54,14 @@ def _packed(experts) -> bool:
                                              "w2_scale"))
 
 
-def decoder_for(decode: str, scale_max: int | None, split: bool = False) -> str:
-    """The decode a call runs: a decoder with a quick one (asm1, fast1) becomes an unchecked quick decoder
-    (`decode.UNCHECKED`: no per-program check of the scale bytes) when the weights' largest scale byte is
-    known to be within the quick decoder's range; with split tiles (`Tiles.split`), one that has halves."""
+def decoder_for(decode: str, scale_max: int | None, config: TileConfig | None = None) -> str:
+    """The decode a call with tiles `config` (None: unsplit ones) runs: a decoder with a quick one (asm1, fast1)
+    becomes an unchecked quick decoder (`decode.UNCHECKED`: no per-program check of the scale bytes) when the
+    weights' largest scale byte is known to be within the quick decoder's range; one with halves
+    (`decode.UNCHECKED_HALVES`) if either kernel's tiles are split (`Tiles.split`)."""
     if decode in dec.UNCHECKED and scale_max is not None and scale_max <= dec.DECODERS[decode].quick_max:
         name = dec.UNCHECKED[decode]
+        split = config is not None and (config.gate_up.split or config.down.split)
         return dec.UNCHECKED_HALVES[decode] if split and dec.DECODERS[name].halves is None else name
     return decode
 
@@ -108,7 +110,7 @@ def routed_experts(xl, idx, weights, experts, beta, linear_beta, strategy="auto"
     n, k = idx.shape
     num_experts, width, half = experts.w1_packed.shape
     chosen = config or choose_config(n * k, num_experts)
-    decode = decoder_for(decode, scale_max, chosen.gate_up.split or chosen.down.split)
+    decode = decoder_for(decode, scale_max, chosen)
     prefill_kernels = prefill_kernels or PREFILL_KERNELS
     if prefill_kernels not in ("triton", "mgpu"):
         raise ValueError(f"routed_experts kernel: prefill_kernels must be 'triton' or 'mgpu', got {prefill_kernels!r}")

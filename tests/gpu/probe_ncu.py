@@ -33,12 +33,13 @@ SMALL = bool(os.environ.get("PROBE_SMALL"))
 
 def moe():
     ex = _random_experts(jax.random.PRNGKey(2), E)
-    decode = os.environ.get("NCU_DECODE") or kern.decoder_for(kern.DEFAULT_DECODE, expert_scale_max(ex))
+    scale_max = expert_scale_max(ex)
     spec = os.environ.get("NCU_CONFIG")  # a TileConfig as JSON (`TileConfig.from_dict`) in place of the default
     for tokens in [int(t) for t in os.environ.get("NCU_TOKENS", "16,4096").split(",")]:
         xl, idx, w = routing(tokens, tokens)
         cfg = kern.fit(TileConfig.from_dict(json.loads(spec)) if spec else kern.choose_config(idx.size, E),
                        xl.shape[1], ex.w1_packed.shape[1])
+        decode = os.environ.get("NCU_DECODE") or kern.decoder_for(kern.DEFAULT_DECODE, scale_max, cfg)
         lay, gu, dn, _ = kernel_parts(cfg, decode)
         lo = lay(idx, w)
         h = jax.block_until_ready(gu(xl, lo, ex))  # warm-up (compiles), then the profiled launches
