@@ -258,7 +258,7 @@ def main():
                     help='the sweep\'s candidates in place of the built-in ones, each after its regime\'s default: '
                          'a JSON list of {"regime": "decode" or "prefill", "config": {"bm": .., "gate_up": {Tiles '
                          'fields}, "down": {..}} (default: the regime\'s tiles), "decode": a DECODERS name, by '
-                         'default the rows\' decode}')
+                         'default the rows\' decode for those tiles}')
     ap.add_argument("--sweep-tokens", type=int, default=512,
                     help="the token count at which the sweep times the decode regime's candidates")
     ap.add_argument("--ragged-full", action="store_true",
