@@ -387,8 +387,8 @@ def main():
                 if "whole_s" in row:
                     row[variant + "_speedup"] = {k: row[k] / r[k] for k in ("gate_up_s", "down_s", "whole_s")}
                 if variant == "exact":  # same weights, summed in the order the compiled kernels choose
-                    record_check(n, "decode exact (whole path)", kernel_fn(row_cfg[n], rows_decode(row_cfg[n]))(xl, idx, w, ex),
-                                 kernel_fn(row_cfg[n], "exact")(xl, idx, w, ex))
+                    ours = kernel_fn(row_cfg[n], rows_decode(row_cfg[n]))(xl, idx, w, ex)
+                    record_check(n, "decode exact (whole path)", ours, kernel_fn(row_cfg[n], "exact")(xl, idx, w, ex))
             except Exception as exc:  # noqa: BLE001
                 row[variant + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         log("kernel", {k: v for k, v in row.items() if k not in ("bytes", "flops")})
