@@ -352,10 +352,10 @@ def main():
         fl = kern.flops(n * K_TOP, L, F)
         row["active_experts"], row["bytes"], row["flops"] = nb["experts"], nb, fl
         cfg = best["decode"] if n * K_TOP <= kern.DECODE_MAX_ROWS * E else best["prefill"]
-        row["config"] = repr(cfg)
+        row["config"], row["decode"] = repr(cfg), rows_decode(cfg)
         row_cfg[n] = kern.fit(cfg, L, F)
         try:
-            r = measure_kernels(ex, n, cfg, rows_decode(cfg))
+            r = measure_kernels(ex, n, cfg, row["decode"])
             row.update(r)
             row["gate_up_tb_s"] = nb["gate_up"] / r["gate_up_s"] / 1e12
             row["down_tb_s"] = nb["down"] / r["down_s"] / 1e12
@@ -387,8 +387,8 @@ def main():
                 if "whole_s" in row:
                     row[variant + "_speedup"] = {k: row[k] / r[k] for k in ("gate_up_s", "down_s", "whole_s")}
                 if variant == "exact":  # same weights, summed in the order the compiled kernels choose
-                    ours = kernel_fn(row_cfg[n], rows_decode(row_cfg[n]))(xl, idx, w, ex)
-                    record_check(n, "decode exact (whole path)", ours, kernel_fn(row_cfg[n], "exact")(xl, idx, w, ex))
+                    record_check(n, "decode exact (whole path)", kernel_fn(row_cfg[n], row["decode"])(xl, idx, w, ex),
+                                 kernel_fn(row_cfg[n], "exact")(xl, idx, w, ex))
             except Exception as exc:  # noqa: BLE001
                 row[variant + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         log("kernel", {k: v for k, v in row.items() if k not in ("bytes", "flops")})
@@ -409,7 +409,7 @@ def main():
         ein = make_capacity_einsum(cap)
         got = None
         try:
-            got = kernel_fn(row_cfg[n], rows_decode(row_cfg[n]))(xl, idx, w, ex)
+            got = kernel_fn(row_cfg[n], row["decode"])(xl, idx, w, ex)
             if n <= 16:  # needs no dense weights: runs even when the einsum does not
                 want = jax.jit(lambda a, b, c, e: routed_experts(a, b, c, e, BETA, LINEAR_BETA, "gathered"))(
                     xl, idx, w, ex)
