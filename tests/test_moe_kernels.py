@@ -112,16 +112,14 @@ def test_kernel_equals_pure_op(config, n, k, kind):
     _check(xl, idx, w, experts, config)
 
 
-# The MMA shapings of `Tiles` (swap: weights as the left operand; split: even/odd halves, no interleave),
-# gate+up's serial K loops and the tiles-first launch order (with the uneven routing only), each in both
-# regimes: the same op, so the same tolerance against the pure op. None is a default: the default suite
-# runs each with the uneven routing, and the other routings and tiles-first are marked slow.
+# The MMA shapings of `Tiles` (swap: weights as the left operand; split: even/odd halves, no interleave)
+# and the tiles-first launch order (with the uneven routing only), each in both regimes: the same op, so
+# the same tolerance against the pure op. None is a default: the default suite runs each with the uneven
+# routing, and the other routings and tiles-first are marked slow.
 VARIANTS = {f"{regime}-{name}": TileConfig(bm, *(Tiles(32, 64, swap=swap, split=split, n_first=n_first),) * 2)
             for regime, bm in (("decode", 16), ("prefill", 128))
             for name, swap, split, n_first in (("swap", True, False, True), ("split", False, True, True),
                                                ("swap-split", True, True, True), ("tiles-first", False, False, False))}
-VARIANTS |= {f"{regime}-serial": TileConfig(bm, Tiles(32, 64, serial=True), Tiles(32, 64))  # gate+up's serial loops
-             for regime, bm in (("decode", 16), ("prefill", 128))}
 VARIANT_CASES = [pytest.param(c, n, k, kind, id=f"{n}-{k}-{kind}-{name}",
                               marks=[pytest.mark.slow] if name.endswith("tiles-first") or kind != "skewed" else [])
                  for name, c in VARIANTS.items()
@@ -150,15 +148,6 @@ def test_unknown_decode_is_named():
     with pytest.raises(ValueError, match="gate_up: decode='fastest' is not one of"):
         kern.routed_experts(jnp.zeros((2, L), jnp.bfloat16), idx, w, _experts(rng), BETA, LINEAR_BETA,
                             config=DECODE, interpret=True, decode="fastest")
-
-
-def test_serial_is_refused_for_down():
-    rng = np.random.default_rng(2)
-    idx, w = _routing(rng, 2, 4, "random")
-    with pytest.raises(ValueError, match="down: serial tiles are for gate\\+up only"):
-        kern.routed_experts(jnp.zeros((2, L), jnp.bfloat16), idx, w, _experts(rng), BETA, LINEAR_BETA,
-                            config=TileConfig(16, Tiles(32, 64, serial=True), Tiles(32, 64, serial=True)),
-                            interpret=True)
 
 
 def test_split_columns_puts_each_blocks_even_columns_first():

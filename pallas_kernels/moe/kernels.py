@@ -40,16 +40,13 @@ class Tiles:
     - split: no nibble interleave in registers: the even and odd elements of each bk block are two dots of
       bk/2 each, against the activation's even and odd columns (the wrapper reorders the activation's
       columns once per call so that both halves are contiguous loads).
-    Neither is faster on the H200 (2026-12-01, docs/benchmarks.md): both stay off by default.
-    - serial (gate+up only): w1's K loop, then w3's, instead of one loop with both, so that one decoded
-      weight tile is live at a time (as in down) at the cost of reading the activation rows twice."""
+    Neither is faster on the H200 (2026-12-01, docs/benchmarks.md): both stay off by default."""
     bn: int
     bk: int
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False
     split: bool = False
-    serial: bool = False
     n_first: bool = True  # grid (N block, tile): the programs of one tile run back to back (see `_grid`)
 
     @property
@@ -137,7 +134,7 @@ def _permuted_rows(start, size: int, perm8):
 
 
 def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3p_ref, w3s_ref, h_ref, *,
-                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode, swap, split, serial, ids):
+                    bm, bn, bk, num_k, num_experts, beta, linear_beta, decode, swap, split, ids):
     t, j = ids()
     e = tile_expert_ref[t]
 
@@ -153,10 +150,6 @@ def _gate_up_kernel(tile_expert_ref, slot_token_ref, x_ref, w1p_ref, w1s_ref, w3
         def loop(d):
             prod = functools.partial(_block_product, x_ref, rows, e=e, n=n_w, bk=bk, decode=d, swap=swap,
                                      split=split)
-
-            if serial:
-                return tuple(jax.lax.fori_loop(0, num_k, lambda kb, a, w=w: a + prod(*w, kb=kb), zero)
-                             for w in ((w1p_ref, w1s_ref), (w3p_ref, w3s_ref)))
 
             def step(kb, accs):
                 a1, a3 = accs
@@ -233,7 +226,7 @@ def gate_up(x, tile_expert, slot_token, w1p, w1s, w3p, w3s, beta, linear_beta, b
     decoder = _decoders("gate_up", decode, tiles, interpret)
     kernel = functools.partial(_gate_up_kernel, bm=bm, bn=tiles.bn, bk=tiles.bk, num_k=latent // tiles.bk,
                                num_experts=num_experts, beta=beta, linear_beta=linear_beta, decode=decoder,
-                               swap=tiles.swap, split=tiles.split, serial=tiles.serial, ids=ids)
+                               swap=tiles.swap, split=tiles.split, ids=ids)
     if decoder.perm8 is not None:  # one pass over the tokens' rows, in the decoded weights' K order
         x = dec.permute8(x, decoder.perm8)
     if tiles.split:
@@ -253,8 +246,6 @@ def down(h, tile_expert, slot_weight, w2p, w2s, bm: int, tiles: Tiles, interpret
     num_experts, latent, half = w2p.shape
     f = 2 * half
     check_tiles("down", latent, f, tiles)
-    if tiles.serial:
-        raise ValueError("down: serial tiles are for gate+up only (down has one weight)")
     interpret = resolve_interpret(interpret)
     slots = h.shape[0]
     grid, ids = _grid(slots // bm, latent // tiles.bn, tiles.n_first)
