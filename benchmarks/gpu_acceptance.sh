@@ -7,12 +7,13 @@
 # more than 80 GB; its Mosaic GPU rows: the whole prefill against 450 TFLOP/s), then "0" and "p" (the KDA decode
 # against fla and the copy bandwidth of the same run; the state kernel's tunings). Done 2026-12-07 (thirtieth
 # session, H100): the MoE gate+up tiles swept with asm1r and serial K loops tried (none faster),
-# tests/gpu/test_moe_gpu.py at main (85 passed). Done 2026-12-07 (twenty-ninth session, H100): asm1r made the model's decode (Nsight Compute; tests/gpu/test_moe_gpu.py -k
-# "asm1r or switch": 12 passed), "4" with it (down 2.60 TB/s at 16 tokens, 85.8% of copy). Done 2026-12-06
-# (twenty-eighth session, H100): Nsight Compute's stall sampling of the MoE decode kernels (tests/gpu/probe_ncu.py M,
-# now with the model's decode), "6"-style sweeps of two decodes (not kept). Done 2026-12-06 (twenty-seventh
-# session, H100): "4" with the model's decode (asm1-unchecked) and ARGS_4=--no-sweep, "6" with four swap
-# shapings and k_sub (all slower). Done 2026-12-06 (twenty-fifth session, H100): "k".
+# tests/gpu/test_moe_gpu.py at main (85 passed). Done 2026-12-07 (twenty-ninth session, H100): asm1r made the
+# model's decode (Nsight Compute; tests/gpu/test_moe_gpu.py -k "asm1r or switch": 12 passed), "4" with it (down
+# 2.60 TB/s at 16 tokens, 85.8% of copy). Done 2026-12-06 (twenty-eighth session, H100): Nsight Compute's stall
+# sampling of the MoE decode kernels (tests/gpu/probe_ncu.py M, now with the model's decode), "6"-style sweeps of
+# two decodes (not kept). Done 2026-12-06 (twenty-seventh session, H100): "4" with the model's decode
+# (asm1-unchecked) and ARGS_4=--no-sweep, "6" with four swap shapings and k_sub (all slower). Done 2026-12-06
+# (twenty-fifth session, H100): "k".
 # Done 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes
 # kernel 41.03 ms, 422 TFLOP/s, at 16384 tokens), "4" (kernels 454 / 451 TFLOP/s, whole 424), "d" (the Mosaic GPU
 # path 0.55-0.69x the Triton decode), the glue probe (tests/gpu/probe_moe_glue.py). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests

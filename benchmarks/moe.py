@@ -18,7 +18,8 @@ and against the pure op (`routed_experts`, "gathered") at 1 and 16 tokens. Resul
 JAX call is timed as device time per call (benchmarks/timing.py, since 2026-12-03; before, calls over 2 ms
 were timed one by one from the host), as do_bench times the torch peer. Set
 XLA_PYTHON_CLIENT_PREALLOCATE=false (PyTorch shares the GPU); the PyTorch part runs first and frees its
-memory. """
+memory.
+"""
 
 from __future__ import annotations
 
