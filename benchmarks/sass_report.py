@@ -5,7 +5,8 @@ the project's venv (jax) and a Triton wheel do not share one environment:
     # 1. in the project's venv: lower the kernels for CUDA on the CPU and keep the Triton IR Pallas builds
     python benchmarks/sass_report.py dump /tmp/ttir --tunings '[{}, {"phase1_warps": 4}]' [--op decode|moe]
     # 2. in a venv with a Triton wheel (pip install triton; 3.9.0 was used): compile each kernel for sm_90a,
-    #    run ptxas -v and cuobjdump (both ship in the wheel), print one row per kernel; beside each .ttir it
+    #    run ptxas -v and cuobjdump (both ship in the wheel), print one row per kernel (with each loop's
+    #    instruction count: a K loop's a step and a warp); beside each .ttir it
     #    writes the .ttgir (Triton's layouts), .ptx, .sass and .live.txt (nvdisasm's live-register count after
     #    each instruction: where the register peak is)
     TRITON_DEFAULT_FP_FUSION=1 /tmp/tvenv/bin/python benchmarks/sass_report.py compile /tmp/ttir
@@ -121,6 +122,20 @@ def _ttir_passes(ttir: Path, target, warps: int) -> Path:
     return out
 
 
+def loop_sizes(sass: str) -> list[int]:
+    """The instruction count of each loop in cuobjdump's SASS text: a branch back to an earlier address closes a
+    loop whose body runs from that address to the branch (both counted), in the order the loops end. For a
+    K loop, its instructions a step and a warp."""
+    addrs = [int(a, 16) for a in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/", sass, re.M)]
+    sizes = []
+    for at, target in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+0x([0-9a-f]+)", sass,
+                                 re.M):
+        at, target = int(at, 16), int(target, 16)
+        if target < at:
+            sizes.append(sum(target <= a <= at for a in addrs))
+    return sizes
+
+
 def compile_all(src: Path, ttir_passes: bool = True) -> None:
     """Compile every .ttir under src for sm_90a with the installed Triton (after its TTIR passes unless
     ttir_passes is False); one row per kernel."""
@@ -131,9 +146,9 @@ def compile_all(src: Path, ttir_passes: bool = True) -> None:
     ptxas = next(p for p in (tools / "ptxas-blackwell", tools / "ptxas") if p.exists())
     print(f"triton {triton.__version__}, {ptxas.name}")
     print("| kernel | tuning | warps | registers | spill bytes (st / ld) | blocks/SM by registers and shared memory | "
-          "shared bytes | "
+          "shared bytes | loop instructions | "
           + " | ".join(SASS_OPS) + " |")
-    print("| --- " * (7 + len(SASS_OPS)) + "|")
+    print("| --- " * (8 + len(SASS_OPS)) + "|")
     target = GPUTarget("cuda", 90, 32)
     for ttir in sorted(p for p in src.glob("*.ttir") if not p.name.endswith(".opt.ttir")):
         meta = json.loads(ttir.with_suffix(".json").read_text())
@@ -158,7 +173,8 @@ def compile_all(src: Path, ttir_passes: bool = True) -> None:
         smem = kernel.metadata.shared
         blocks = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 64 // warps, (228 << 10) // max(smem + 1024, 1))
         print(f"| {ttir.stem} | {json.dumps(meta['tuning'])} | {warps} | {regs} | {spills[0]} / {spills[1]} | "
-              f"{blocks} ({blocks * warps} warps) | {smem} | " + " | ".join(map(str, counts)) + " |")
+              f"{blocks} ({blocks * warps} warps) | {smem} | {', '.join(map(str, loop_sizes(sass))) or '-'} | "
+              + " | ".join(map(str, counts)) + " |")
 
 
 def main(argv=None):
