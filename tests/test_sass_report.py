@@ -18,7 +18,7 @@ def _sass(lines):
 
 def test_loop_sizes_counts_each_backward_branch_body():
     sass = _sass(["MOV R1, c[0x0][0x28]", "ISETP.GE.AND P0, PT, R2, 0x1, PT",   # 0x00, 0x10
-                  "@P0 BRA 0x80", "LDS.128 R4, [R0]",                           # forward branch, 0x30
+                  "@P0 BRA 0x80", "LDS.128 R4, [R0]",                           # 0x20 (forward), 0x30
                   "HMMA.16816.F32.BF16 R8, R4, R6, R8", "IADD3 R2, R2, -0x1, RZ",  # 0x40, 0x50
                   "@P1 BRA 0x30",                                               # loop 1: 0x30..0x60, 4
                   "LOP3.LUT R3, R3, 0xf, RZ, 0xc0, !PT", "@!P2 BRA 0x10",      # loop 2: 0x10..0x80, 8
