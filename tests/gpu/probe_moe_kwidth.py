@@ -13,6 +13,9 @@ Pallas's `elementwise_inline_asm` always lowers as pure, so the probe patches th
 lower an asm that carries IMPURE as impure (a private hook: a probe, not a kernel option).
 
     python3 tests/gpu/probe_moe_kwidth.py                 # MOE_TOKENS=16,512 (the default)
+    # offline, on the CPU: both kernels' Triton IR for benchmarks/sass_report.py's compile step (889 against
+    # 1,061 loop instructions for gate+up with Triton 3.9.0)
+    python3 tests/gpu/probe_moe_kwidth.py --dump /tmp/ttir_kw2
 """
 import os
 import sys
@@ -76,5 +79,17 @@ def main():
                 print(f"  {d}: {s * 1e3:.4f} ms, {nbytes / s / 1e12:.3f} TB/s", flush=True)
 
 
+def dump(out: str) -> None:
+    """The Triton IR of the routed experts with each decode, as `sass_report.py dump --op moe --shape 16` writes
+    it (the registration above is what that command lacks for asm1r-kw2)."""
+    from pathlib import Path
+
+    import sass_report
+    sass_report.dump(Path(out), [{"decode": "asm1r-unchecked"}, {"decode": "asm1r-kw2"}], "moe", (16, 1, 1), 0)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--dump":
+        dump(sys.argv[2])
+    else:
+        main()
