@@ -8,6 +8,8 @@ the two grouped kernels timed alone on the same dispatch).
     python3 tests/gpu/probe_mgpu_routed.py                  # 4096 and 16384 tokens
     MGPU_TOKENS=4096 MGPU_TUNINGS='[{}, {"tile_t": 256, "stages": 2}]' python3 tests/gpu/probe_mgpu_routed.py
     MGPU_TOKENS=16,512 MGPU_TUNINGS='[{"quick": true, "tile_t": 16}]' ...  # at decode token counts (step d)
+    # the gate+up kernel alone per tuning, with its used tiles (a tile sweep: time = a x tiles + b x columns?)
+    MGPU_GATE_UP_ONLY=1 MGPU_TOKENS=16384 MGPU_TUNINGS='[{"tile_t": 96}, {"tile_t": 128}, {"tile_t": 160}]' ...
 
 The default tunings: TUNING without swar (the nibbles decoded one per 16-bit lane), TUNING, and TUNING with the
 quick one-multiply decode (the experts' scale bytes are 119-121, as the release's: the model runs this one).
@@ -30,6 +32,22 @@ from pallas_kernels.moe.wgmma_mxfp4 import transpose_scales  # noqa: E402
 
 TOKENS = [int(t) for t in os.environ.get("MGPU_TOKENS", "4096,16384").split(",")]
 TUNINGS = json.loads(os.environ.get("MGPU_TUNINGS", '[{"swar": false}, {}, {"quick": true}]'))
+GATE_UP_ONLY = os.environ.get("MGPU_GATE_UP_ONLY") == "1"
+
+
+def gate_up_alone(xl, idx, w, ex, flops):
+    """Per tuning, the gate+up kernel alone on its dispatch: device time, and the tiles it runs (its used
+    tiles: the others return at once) with their columns (tiles x tile_t, padding included)."""
+    for tuning in TUNINGS:
+        path = rm.stages(tuning, pairs=idx.size, num_experts=896)
+        lo = dsp.block_layout(idx, w, 896, path.tile_t)
+        planes = jax.jit(path.planes, static_argnums=2)(xl, lo, 896)
+        gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
+        times = [device_seconds(gu, lo.tile_expert, planes, ex, calls=3) for _ in range(2)]
+        used = int((np.asarray(lo.tile_expert) < 896).sum())
+        print(f"  mgpu {tuning}: gate+up kernel {' / '.join(f'{t * 1e3:.3f}' for t in times)} ms "
+              f"({flops * 2 / 3 / min(times) / 1e12:.0f} TFLOP/s useful); {used} tiles of {path.tile_t} used "
+              f"({used * path.tile_t} columns for {idx.size} pairs)", flush=True)
 
 
 def main():
@@ -39,6 +57,10 @@ def main():
     for n in TOKENS:
         xl, idx, w = routing(n, n)
         flops = 6.0 * n * idx.shape[1] * 2 * half * width
+        if GATE_UP_ONLY:
+            print(f"tokens {n}:", flush=True)
+            gate_up_alone(xl, idx, w, ex, flops)
+            continue
         active = kern.active_bytes(idx, 2 * half, width)
         mxfp4 = active["gate_up"] + active["down"]  # the chosen experts' bytes: what weight streaming reads
         tri = jax.jit(lambda x, i, w, e: kern.routed_experts(x, i, w, e, BETA, LINEAR_BETA, scale_max=120,
