@@ -6,7 +6,8 @@
 # Next (docs/benchmarks.md, "Still to run"): on an H200, "4" (the MoE table with its XLA peers, which need
 # more than 80 GB; its Mosaic GPU rows: the whole prefill against 450 TFLOP/s), then "0" and "p" (the KDA decode
 # against fla and the copy bandwidth of the same run; the state kernel's tunings). Done 2026-12-07 (thirty-third
-# session, H100): tests/gpu/probe_moe_kwidth.py (kWidth 2 for the gate+up decode: 1.95x slower). Done 2026-12-07 (thirty-first
+# session, H100): tests/gpu/probe_moe_kwidth.py (kWidth 2 for the gate+up decode: 1.95x slower), the Mosaic GPU
+# gate+up tile widths (probe_mgpu_routed.py, MGPU_GATE_UP_ONLY=1: 5.0 us a tile + 56 ns a column). Done 2026-12-07 (thirty-first
 # session, H100): the asm1s decode on re-laid words swept (branch exp/moe-shuffle; gate+up 2-8% faster, not
 # kept), tests/gpu/probe_moe_permute.py (x's permutation fuses into the latent projection). Done 2026-12-07
 # (thirtieth session, H100): the MoE gate+up tiles swept with asm1r and serial K loops tried (none faster),
