@@ -7,7 +7,8 @@ loop's 1,061 instructions a K step and a warp, offline SASS). An impure op ends 
 asm on the decoded tile gives kWidth 2: no moves (889 instructions offline), but the decoded tile then goes
 through shared memory (64 KB written and read back a CTA K step). This times the model's gate_up
 (asm1r-unchecked) against the same kernel with that identity ("asm1r-kw2", registered here only), alternated,
-at K3's widths, with the copy bandwidth of the same run, and checks that both give the same h.
+at K3's widths, with the copy bandwidth of the same run, and prints how far apart their h are (on the used
+tiles' rows; bf16, so one-ulp flips from the other summation order show).
 
 Pallas's `elementwise_inline_asm` always lowers as pure, so the probe patches the Triton dialect's builder to
 lower an asm that carries IMPURE as impure (a private hook: a probe, not a kernel option).
