@@ -35,14 +35,19 @@ TUNINGS = json.loads(os.environ.get("MGPU_TUNINGS", '[{"swar": false}, {}, {"qui
 GATE_UP_ONLY = os.environ.get("MGPU_GATE_UP_ONLY") == "1"
 
 
+def gate_up_stage(tuning, xl, idx, w):
+    """The Mosaic GPU path for `tuning`, its dispatch, the slots' planes and its gate+up kernel, jitted."""
+    path = rm.stages(tuning, pairs=idx.size, num_experts=896)
+    lo = dsp.block_layout(idx, w, 896, path.tile_t)
+    planes = jax.jit(path.planes, static_argnums=2)(xl, lo, 896)
+    return path, lo, planes, jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
+
+
 def gate_up_alone(xl, idx, w, ex, flops):
     """Per tuning, the gate+up kernel alone on its dispatch: device time, and the tiles it runs (its used
     tiles: the others return at once) with their columns (tiles x tile_t, padding included)."""
     for tuning in TUNINGS:
-        path = rm.stages(tuning, pairs=idx.size, num_experts=896)
-        lo = dsp.block_layout(idx, w, 896, path.tile_t)
-        planes = jax.jit(path.planes, static_argnums=2)(xl, lo, 896)
-        gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
+        path, lo, planes, gu = gate_up_stage(tuning, xl, idx, w)
         times = [device_seconds(gu, lo.tile_expert, planes, ex, calls=3) for _ in range(2)]
         used = int((np.asarray(lo.tile_expert) < 896).sum())
         print(f"  mgpu {tuning}: gate+up kernel {' / '.join(f'{t * 1e3:.3f}' for t in times)} ms "
@@ -77,13 +82,10 @@ def main():
                 err = float(np.max(np.abs(got - want) / np.where(scale > 0, scale, 1)))
                 s = device_seconds(f, xl, idx, w, ex, calls=3)
                 groups = dict(pairs=idx.size, num_experts=896)
-                path = rm.stages(tuning, **groups)
+                path, lo, planes, gu = gate_up_stage(tuning, xl, idx, w)
                 rb = dict(rm.TUNING, **tuning)["row_blocks"]
                 # down with fewer row blocks
                 fewer = rm.stages({**tuning, "row_blocks": (rb[0], max(1, rb[1] // 2))}, **groups)
-                lo = dsp.block_layout(idx, w, 896, path.tile_t)
-                planes = jax.jit(path.planes, static_argnums=2)(xl, lo, 896)
-                gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
                 s_gu = device_seconds(gu, lo.tile_expert, planes, ex, calls=3)
                 h_t = gu(lo.tile_expert, planes, ex)
                 dn = [jax.jit(stage.down) for stage in (path, fewer)]

@@ -27,13 +27,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax._src.lib.triton import dialect as tt_dialect  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
-from moe import BETA, LINEAR_BETA, E, F, L, _random_experts, routing  # noqa: E402
+from moe import E, F, L, _random_experts, kernel_parts, routing  # noqa: E402
 from timing import copy_tbps, device_seconds  # noqa: E402
 
 from pallas_kernels.moe import decode as dec  # noqa: E402
-from pallas_kernels.moe import dispatch as dsp  # noqa: E402
 from pallas_kernels.moe import routed as kern  # noqa: E402
-from pallas_kernels.moe.kernels import gate_up  # noqa: E402
 
 IMPURE = "// impure"
 _build = tt_dialect.elementwise_inline_asm
@@ -61,14 +59,12 @@ dec.DECODERS["asm1r-kw2"] = dec.Decoder(lambda p, s: impure_identity(dec.decode_
 def main():
     ex = _random_experts(jax.random.key(0), E)
     cfg = kern.fit(kern.DECODE, L, F)
-    fns = {d: jax.jit(lambda x, lo, e, d=d: gate_up(x, lo.tile_expert, lo.slot_token, e.w1_packed, e.w1_scale,
-                                                   e.w3_packed, e.w3_scale, BETA, LINEAR_BETA, cfg.bm, cfg.gate_up,
-                                                   None, d))
-           for d in ("asm1r-unchecked", "asm1r-kw2")}
+    parts = {d: kernel_parts(cfg, d) for d in ("asm1r-unchecked", "asm1r-kw2")}  # (layout, gate+up, ...)
+    fns = {d: gu for d, (_, gu, *_) in parts.items()}
     print(f"copy {copy_tbps(2 ** 30):.3f} TB/s; gate_up tiles {cfg.gate_up}", flush=True)
     for n in [int(t) for t in os.environ.get("MOE_TOKENS", "16,512").split(",")]:
         xl, idx, w = routing(n, n)
-        lo = jax.jit(lambda i, ww: dsp.block_layout(i, ww, E, cfg.bm))(idx, w)
+        lo = parts["asm1r-unchecked"][0](idx, w)
         nbytes = kern.active_bytes(idx, L, F)["gate_up"]
         used = np.repeat(np.asarray(lo.tile_expert) < E, cfg.bm)  # the rows of skipped tiles are never written
         a, b = (np.asarray(f(xl, lo, ex).astype(jnp.float32))[used] for f in fns.values())
