@@ -127,3 +127,35 @@ def test_asm1r_decodes_in_its_permuted_order():
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     stand_in = np.asarray(dec.DECODERS["fast1r-unchecked"].full(jnp.asarray(packed), jnp.asarray(scale)))
     np.testing.assert_array_equal(stand_in.view(np.uint16), want.view(np.uint16))
+
+
+def test_words_decode_gives_the_wgmma_operands_in_word_order():
+    """Mosaic GPU's words decode (`wgmma_mxfp4.word_steps`): each thread's 16-bit registers of a [64, 32] byte
+    tile in the WGMMA layout (row 16 w + l // 4 + 8 h, columns 8 g + 2 (l % 4) + {0, 1}) joined into a word per
+    scale block, _WORD_ASM run on it, and its four results placed as `word_steps` places them, make the four
+    wgmma A operands whose columns are the dequantised tile's in `word_order`, bit for bit (scale bytes
+    1..128, every byte value in every position)."""
+    from pallas_kernels.moe import wgmma_mxfp4 as wg
+
+    rng = np.random.default_rng(0)
+    tile = rng.permutation(np.tile(np.arange(256, dtype=np.uint8), 8)).reshape(64, 32)
+    scale = rng.integers(1, dec.QUICK_MAX_SCALE + 1, size=(64, 2), dtype=np.uint8)
+    factor_bits = (scale.astype(np.uint32) + 126) << 7  # quick_scale_bits: 2^(s - 1) as bf16
+    got = np.zeros((64, 64), np.uint16)  # [row, wgmma step x 16 + column]
+    for w in range(4):
+        for lane in range(32):
+            j = lane % 4
+            for h in range(2):
+                row = 16 * w + lane // 4 + 8 * h
+                for blk in range(2):
+                    lo, hi = (tile[row, 8 * g + 2 * j: 8 * g + 2 * j + 2].astype(np.uint32) for g in (2 * blk, 2 * blk + 1))
+                    f = factor_bits[row, blk]
+                    out = run_ptx(wg._WORD_ASM, {"$4": np.array([lo[0] | lo[1] << 8]),
+                                                 "$5": np.array([hi[0] | hi[1] << 8]),
+                                                 "$6": np.array([f | f << 16], np.uint32)})
+                    # (step, column group) of $3, $2, $1, $0 as word_steps places them
+                    for k, (step, group) in zip((3, 2, 1, 0), ((0, 0), (0, 1), (1, 0), (1, 1))):
+                        col = 16 * (2 * blk + step) + 8 * group + 2 * j
+                        got[row, col], got[row, col + 1] = out[f"${k}"][0] & 0xFFFF, out[f"${k}"][0] >> 16
+    want = _want(tile, scale)[:, wg.word_order(64)]
+    np.testing.assert_array_equal(got, want.view(np.uint16))

@@ -94,17 +94,30 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
                                     {"x_tk": True, "plane_rows": True, "transpose_out": True, "row_blocks": 2,
                                      "delay": 1, "persistent": True, "sms": 132, "stages": 3},
                                     {"quick": True, "row_blocks": 2}, {"swar": True},
-                                    {"swar": True, "quick": True, "x_tk": True, "plane_rows": True, "row_blocks": 2}])
+                                    {"swar": True, "quick": True, "x_tk": True, "plane_rows": True, "row_blocks": 2},
+                                    {"words": True, "quick": True, "x_tk": True, "plane_rows": True, "delay": 1,
+                                     "persistent": True, "sms": 132, "stages": 3},
+                                    {"words": True, "quick": True, "plane_cols": 128, "tile_t": 16}])
 def test_kernel_lowers_for_cuda(tuning):
-    """Each layout option (token-major planes, plane-ordered rows, transposed output, 2 row blocks a tile)
-    and tuning lowers for CUDA."""
-    n, k, t = 512, 512, 256
-    planes = (2, t, k // 2) if tuning.get("x_tk") else (2, k // 2, t)
+    """Each layout option (token-major planes, plane-ordered rows, transposed output, 2 row blocks a tile, the
+    words decode) and tuning lowers for CUDA."""
+    n, k, t = 512, 512, tuning.get("tile_t", 256)
+    x = (1, k) if tuning.get("words") else (2, k // 2)
+    planes = (x[0], t, x[1]) if tuning.get("x_tk") else (*x, t)
     args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),
             jax.ShapeDtypeStruct(planes, jnp.bfloat16))
     hlo = jax.jit(functools.partial(wg.mxfp4_matmul, **tuning)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in hlo
+
+
+def test_token_words_are_the_columns_in_word_order():
+    """`token_words` (a reshape and transpose) puts x's columns in `word_order`, a permutation of each 64."""
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    order = wg.word_order(256)
+    assert sorted(order) == list(range(256)) and all(sorted(order[i:i + 64] - i) == list(range(64))
+                                                      for i in range(0, 256, 64))
+    np.testing.assert_array_equal(np.asarray(wg.token_words(jnp.asarray(x)))[0], x[:, order])
 
 
 def test_bad_shapes_are_refused_by_name():
@@ -122,6 +135,11 @@ def test_bad_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="N = 256 \\(multiple of 512\\)"):  # 2 row blocks of plane-ordered rows
         wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 128, 256), jnp.bfloat16), x_tk=True,
                         plane_rows=True, row_blocks=2)
+    with pytest.raises(ValueError, match="words needs quick"):
+        wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((1, 512, 256), jnp.bfloat16), words=True)
+    with pytest.raises(ValueError, match="do not match \\(1, 512, 256\\)"):  # planes given to the words decode
+        wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 256, 256), jnp.bfloat16), words=True,
+                        quick=True)
 
 
 # ------------------------------------------------------------------- the routed experts on Mosaic GPU

@@ -230,14 +230,20 @@ def decode_asm1(packed: jax.Array, scale: jax.Array, asm: str = _ASM1) -> jax.Ar
 # _ASM1: per 4 bytes 3 shifts and 4 x (2 ands, shift, or, multiply). The results come in a fixed order within
 # every 8 elements, R_PERM: position 8w + p holds element 8w + R_PERM[p]. The kernels take the activation's
 # columns in that order (`Decoder.perm8`), and gate+up writes h in it for down.
-def _place_r(dst: str, src: str, k: int) -> str:
+def _place_r(dst: str, src: str, factor: str) -> str:
     return (f"and.b32 t, {src}, 0x70007000; shr.b32 t, t, 6; and.b32 m, {src}, 0x80008000; or.b32 t, t, m; "
-            f"fma.rn.bf16x2 {dst}, t, ${5 + k}, z; ")
+            f"fma.rn.bf16x2 {dst}, t, {factor}, z; ")
 
 
-_ASM1R = ("{ .reg .b32 a, b, c, t, m, z; mov.b32 z, 0x80008000; shl.b32 a, $4, 4; shl.b32 b, $4, 8; "
-          "shl.b32 c, $4, 12; " + _place_r("$0", "$4", 0) + _place_r("$1", "a", 1) + _place_r("$2", "b", 2)
-          + _place_r("$3", "c", 3) + "}")
+def asm1r_body(word: str, factors) -> str:
+    """_ASM1R's instructions on the packed word `word` with the four results' factor operands `factors`
+    (registers t, m, a, b, c and z declared by the caller; z = 0x80008000): $0-$3 get (hi1, hi3), (lo1, lo3),
+    (hi0, hi2), (lo0, lo2) of bytes 0-3 (Mosaic GPU's words decode uses it too, `wgmma_mxfp4.word_steps`)."""
+    return (f"shl.b32 a, {word}, 4; shl.b32 b, {word}, 8; shl.b32 c, {word}, 12; "
+            + "".join(_place_r(f"${k}", src, f) for k, (src, f) in enumerate(zip((word, "a", "b", "c"), factors))))
+
+
+_ASM1R = "{ .reg .b32 a, b, c, t, m, z; mov.b32 z, 0x80008000; " + asm1r_body("$4", ("$5", "$6", "$7", "$8")) + "}"
 R_PERM = (3, 7, 2, 6, 1, 5, 0, 4)
 
 

@@ -48,6 +48,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm
 
+from pallas_kernels.moe.decode import asm1r_body
+
 ROWS_PER_WG = 64  # wgmma's M
 SCALE_BLOCK = 32  # k per E8M0 scale
 PLANE_STEP = SCALE_BLOCK // 2  # plane columns per wgmma: one scale block
@@ -145,6 +147,62 @@ def planes_of(packed, swar: bool = False):
     return tuple(lax.bitcast_convert_type(e2m1_bits(nib), jnp.bfloat16) for nib in (p16 & 0xF, (p16 >> 4) & 0xF))
 
 
+WORD_BYTES = 32  # packed bytes a row that one `word_steps` call decodes: 64 k, two scale blocks, 4 wgmmas
+# _ASM1R on the word of two 16-bit register halves (bytes 2q, 2q + 1 and 2q + 8, 2q + 9 of a scale block's 16 in
+# the WGMMA layout), all four results times one factor ($6): the row's 2^(s - 1) as bf16x2
+_WORD_ASM = ("{ .reg .b32 q, a, b, c, t, m, z; mov.b32 z, 0x80008000; prmt.b32 q, $4, $5, 0x5410; "
+             + asm1r_body("q", ("$6",) * 4) + "}")
+
+
+def word_order(k: int) -> np.ndarray:
+    """The k order of the words decode's wgmmas (`word_steps`): column p of its activations is x's column
+    order[p]. In each 64 k (32 bytes a row, scale blocks 2i and 2i + 1), wgmma s takes block s // 2's residue
+    c = 2 (s % 2) + h mod 4, where h = 0 for its columns 0-7 and 1 for 8-15, column 2 j + e (j < 4, e < 2)
+    taking k = 4 j + c + 16 e: thread j of a quad holds bytes 2 j, 2 j + 1, 2 j + 8, 2 j + 9 of the block,
+    whose 8 elements asm1r places as (lo0, lo2), (hi0, hi2), (lo1, lo3), (hi1, hi3), the pairs of k = 4 j + c
+    and 4 j + c + 16 for c = 0..3."""
+    if k % (2 * WORD_BYTES):
+        raise ValueError(f"word_order: K = {k} must be a multiple of {2 * WORD_BYTES}")
+    col = np.arange(16)
+    j, e, h = (col % 8) // 2, col % 2, col // 8
+    span = np.concatenate([(s // 2) * 32 + 4 * j + 2 * (s % 2) + h + 16 * e for s in range(4)])
+    return (np.arange(k // (2 * WORD_BYTES))[:, None] * (2 * WORD_BYTES) + span).reshape(-1)
+
+
+def word_steps(tile, f0, f1):
+    """A [64, 32] uint8 tile in the WGMMA layout and its two scale blocks' factors ([64, 16] bf16 in the WGMMA
+    layout, each row's 2^(s - 1): `quick_scale_bits`) -> the four [64, 16] bf16 wgmma A operands of its 64 k in
+    `word_order`, decoded by asm1r in PTX on 32-bit words (quick decode: scale bytes <= QUICK_MAX). Each
+    thread holds, per row, two 16-bit registers of a scale block (columns 2 j, 2 j + 1 and 2 j + 8, 2 j + 9),
+    one word, whose 8 elements are the block's four wgmmas' 2 x 2 registers of that row: no moves."""
+    out = plgpu.ShapeDtypeStruct((ROWS_PER_WG, PLANE_STEP), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3, return_type=(out,) * 4)
+    def steps(_, tile, f0, f1):
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get([2], ir.BF16Type.get())
+        out_shape = f0.registers.shape
+        # WGMMA registers: [8-column group, row half] once the unit dimensions are dropped
+        if tile.registers.size != 8 or out_shape != f1.registers.shape or f0.registers.size != 4:
+            raise NotImplementedError(f"word_steps: unexpected WGMMA registers {tile.registers.shape} / {out_shape}")
+        groups = tile.registers.reshape(4, 2)
+        factors = [f.registers.reshape(2, 2) for f in (f0, f1)]
+        regs = [np.empty((2, 2), dtype=object) for _ in range(4)]
+        result = llvm.StructType.get_literal([i32] * 4)
+        for blk in range(2):
+            for half in range(2):
+                lo, hi = (arith.extui(i32, llvm.bitcast(i16, groups[2 * blk + g, half])) for g in range(2))
+                res = llvm.inline_asm(result, [lo, hi, llvm.bitcast(i32, factors[blk][0, half])], _WORD_ASM,
+                                      "=r,=r,=r,=r,r,r,r")
+                hi1, lo1, hi0, lo0 = (llvm.bitcast(pair, llvm.extractvalue(i32, res, [k])) for k in range(4))
+                # c = 0, 1 in wgmma 2 blk (columns 0-7, 8-15), c = 2, 3 in wgmma 2 blk + 1
+                regs[2 * blk][:, half] = lo0, hi0
+                regs[2 * blk + 1][:, half] = lo1, hi1
+        return tuple(mgpu.FragmentedArray(_registers=r.reshape(out_shape), _layout=f0.layout, _is_signed=None)
+                     for r in regs)
+    return steps(tile, f0, f1)
+
+
 def scaled(value, factor, quick: bool = False):
     """A plane's values times 2^-126 (`planes_of`) times a bf16 factor broadcast to their shape: two exact
     multiplies, by 2^126 and by the factor (`scale_bits`), or with `quick` one, by the factor from
@@ -158,7 +216,7 @@ def scaled(value, factor, quick: bool = False):
 
 def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue,
             persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int, quick: bool,
-            swar: bool):
+            swar: bool, words: bool):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
@@ -169,6 +227,29 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
     n = s_gmem[0].shape[-1]
     subs = plane_cols // PLANE_STEP
 
+    def b_operand(x_smem, cols):
+        return plgpu.transpose_ref(x_smem.at[:, cols], (1, 0)) if x_tk else x_smem.at[cols]
+
+    def factors(s_smem, i, rows):  # scale block i's factor per row, as a [64, 16] WGMMA-layout operand
+        s = s_smem[i, rows].astype(jnp.int16)  # [64]: this block's scale per row
+        factor = lax.bitcast_convert_type((quick_scale_bits if quick else scale_bits)(s), jnp.bfloat16)
+        return lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
+
+    def words_body(_, *smem):  # x in `word_order`: 4 wgmmas per 32 bytes a row (`word_steps`)
+        w_smem, s_smem, (x_smem,), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
+        wg = lax.axis_index("wg")
+        for i in range(plane_cols // WORD_BYTES):
+            for j in range(row_blocks):
+                rows = pl.ds(j * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)
+                for m in range(mats):
+                    a = word_steps(w_smem[m][rows, pl.ds(i * WORD_BYTES, WORD_BYTES)],
+                                   *(factors(s_smem[m], 2 * i + b, rows) for b in range(2)))
+                    for st, value in enumerate(a):
+                        cols = pl.ds((4 * i + st) * PLANE_STEP, PLANE_STEP)
+                        plgpu.wgmma(accs[j * mats + m], value, b_operand(x_smem, cols))
+        plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # the same count of wgmmas a step as `body`
+        return accs
+
     def body(_, *smem):
         w_smem, s_smem, (xlo_smem, xhi_smem), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
         wg = lax.axis_index("wg")
@@ -177,12 +258,9 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
             for j in range(row_blocks):
                 rows = pl.ds(j * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)
                 for m in range(mats):
-                    s = s_smem[m][i, rows].astype(jnp.int16)  # [64]: this block's scale per row
-                    factor = lax.bitcast_convert_type((quick_scale_bits if quick else scale_bits)(s), jnp.bfloat16)
-                    factor = lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
+                    factor = factors(s_smem[m], i, rows)
                     for value, x_smem in zip(planes_of(w_smem[m][rows, cols], swar), (xlo_smem, xhi_smem)):
-                        b = plgpu.transpose_ref(x_smem.at[:, cols], (1, 0)) if x_tk else x_smem.at[cols]
-                        plgpu.wgmma(accs[j * mats + m], scaled(value, factor, quick), b)
+                        plgpu.wgmma(accs[j * mats + m], scaled(value, factor, quick), b_operand(x_smem, cols))
         plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # with delay 1, this step's wgmmas may still run
         return accs
 
@@ -205,13 +283,14 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
         w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS,
                                  delay_release=delay)
         s_spec = plgpu.BlockSpec((subs, n_tile), lambda k: (k, 0), delay_release=delay)
-        x_spec = plgpu.BlockSpec((tile_t, plane_cols) if x_tk else (plane_cols, tile_t),
+        x_cols = plane_cols * (1 + words)  # the step's k: plane columns of each plane, or x's in word_order
+        x_spec = plgpu.BlockSpec((tile_t, x_cols) if x_tk else (x_cols, tile_t),
                                  (lambda k: (0, k)) if x_tk else (lambda k: (k, 0)), transforms=X_TRANSFORMS,
                                  delay_release=delay)
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=stages, compute_context=compute_context,
-            in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * 2)
+            words_body if words else body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg",
+            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context,
+            in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * (2 - words))
 
     def operands(e, n_idx, t_idx):
         rows, toks = pl.ds(n_idx * n_tile, n_tile), pl.ds(t_idx * tile_t, tile_t)
@@ -220,7 +299,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
             w_rows = (pl.ds(lax.rem(n_idx, half_blocks) * n_tile, n_tile), lax.div(n_idx, half_blocks))
         else:
             w_rows = (rows,)
-        x_tiles = (x_gmem.at[0, toks], x_gmem.at[1, toks]) if x_tk else (x_gmem.at[0, :, toks], x_gmem.at[1, :, toks])
+        x_tiles = tuple(x_gmem.at[p, toks] if x_tk else x_gmem.at[p, :, toks] for p in range(2 - words))
         return (*(w.at[e].at[w_rows] for w in w_gmem), *(sc.at[e].at[:, rows] for sc in s_gmem), *x_tiles)
 
     def run_tile(n_idx, t_idx, **allocations):
@@ -257,11 +336,18 @@ def token_planes(x):
     return jnp.transpose(x.reshape(t, k // 2, 2), (2, 0, 1))
 
 
+def token_words(x):
+    """x [T, K] -> [1, T, K]: each token's columns in `word_order` (the x_tk operand of the words decode):
+    k = 64 i + 32 b + 16 e + 4 j + 2 c + h goes to column 64 i + 16 (2 b + c) + 8 h + 2 j + e."""
+    t, k = x.shape
+    return jnp.transpose(x.reshape(t, k // 64, 2, 2, 4, 2, 2), (0, 1, 2, 5, 6, 4, 3)).reshape(1, t, k)
+
+
 def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
                           tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
                           persistent: bool = False, sms: int | None = None, x_tk: bool = False,
                           plane_rows: bool = False, transpose_out: bool = False, row_blocks: int = 1,
-                          quick: bool = False, swar: bool = False):
+                          quick: bool = False, swar: bool = False, words: bool = False):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
@@ -276,7 +362,9 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     row_blocks: 128-row blocks per tile (each compute warpgroup holds mats x row_blocks accumulators), so that
     each activation tile in shared memory feeds more rows (2 for one matrix: as many accumulators as w1+w3).
     quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
-    nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane.
+    nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane. words: the weights
+    decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
+    the activations not as planes but as one array in `word_order`: [1, K, S], or [1, S, K] with x_tk.
 
     N a multiple of 128 (of 256 with plane_rows), S of tile_t (<= 256), K/2 of plane_cols (a multiple of
     16). delay: 0 waits for each pipeline step's wgmmas before its shared-memory stage is released; 1
@@ -298,9 +386,14 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
         if p.shape != packed[0].shape or sc.shape != (num_experts, 2 * half_k // SCALE_BLOCK, n):
             raise ValueError(f"mxfp4_matmul: matrix {i}: packed {p.shape} / scales_t {sc.shape} do not match "
                              f"packed {packed[0].shape} as [E, N, K/2] / [E, K/32, N]")
-    if planes.shape != ((2, t, half_k) if x_tk else (2, half_k, t)) or tile_expert.shape != (t // tile_t,):
+    if words and (not quick or plane_cols % WORD_BYTES):
+        raise ValueError(f"mxfp4_matmul: words needs quick and plane_cols a multiple of {WORD_BYTES}, got quick = "
+                         f"{quick}, plane_cols = {plane_cols}")
+    x_shape = (1, 2 * half_k) if words else (2, half_k)  # [planes, k per plane]
+    want = (x_shape[0], t, x_shape[1]) if x_tk else (*x_shape, t)
+    if planes.shape != want or tile_expert.shape != (t // tile_t,):
         raise ValueError(f"mxfp4_matmul: planes {planes.shape} / tile_expert {tile_expert.shape} do not match "
-                         f"K/2 = {half_k} and {t // tile_t} tiles of {tile_t}")
+                         f"{want} (K/2 = {half_k}) and {t // tile_t} tiles of {tile_t}")
     if epilogue is None:
         if mats != 1:
             raise ValueError(f"mxfp4_matmul: {mats} matrices need an epilogue that combines them")
@@ -310,7 +403,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
                                delay=delay, epilogue=epilogue, persistent=persistent, x_tk=x_tk,
                                plane_rows=plane_rows, transpose_out=transpose_out, row_blocks=row_blocks,
-                               quick=quick, swar=swar)
+                               quick=quick, swar=swar, words=words)
     if persistent:
         grid, names = (sms or _sm_count(),), ("sm",)
     else:
