@@ -161,16 +161,25 @@ def _routed_case(rng, n, k, kind, num=16, width=128, latent=64):
 
 
 @pytest.mark.parametrize("n,k,kind,tuning", [(40, 4, "skewed", dict(tile_t=16)), (33, 1, "one_expert", dict(tile_t=16)),
-                                             (150, 4, "random", dict(tile_t=16)), (150, 4, "random", None)])
+                                             (150, 4, "random", dict(tile_t=16)), (150, 4, "random", None),
+                                             (40, 4, "skewed", dict(tile_t=16, words=True))])
 def test_routed_glue_equals_pure_op(n, k, kind, tuning):
     """The Mosaic GPU path's glue (dispatch, planes, h^T to down's planes, y^T to the weighted combine) with
     the kernel's pure-JAX reference in its place, against the pure op; fails if any plane or transpose is
-    off (checked by swapping h's planes). Tuning None: the tiles sized by `tile_slots`."""
+    off (checked by swapping h's planes). Tuning None: the tiles sized by `tile_slots`; words: gate+up's
+    activations as token words (with the scale bytes' bound given: the words decode is a quick one)."""
     from test_moe_kernels import BETA, LINEAR_BETA, RTOL
     rng = np.random.default_rng([n, k, 7])
     xl, idx, w, experts = _routed_case(rng, n, k, kind)
-    got = rm.routed_experts_mgpu(xl, idx, w, experts, BETA, LINEAR_BETA, tuning=tuning,
-                                 matmul_t=rm.reference_matmul_t)
+    words = bool(tuning and tuning.get("words"))
+    planes_seen = []  # gate+up's, then down's
+
+    def matmul_t(*args, **kwargs):
+        planes_seen.append(args[3].shape[0])
+        return rm.reference_matmul_t(*args, **kwargs)
+    got = rm.routed_experts_mgpu(xl, idx, w, experts, BETA, LINEAR_BETA, tuning=tuning, matmul_t=matmul_t,
+                                 scale_max=126 if words else None)
+    assert planes_seen == [1 if words else 2, 2]
     want = routed_experts(xl, idx, w, experts, BETA, LINEAR_BETA, "gathered")
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     scale = np.abs(want).max(axis=-1, keepdims=True)

@@ -44,22 +44,23 @@ def _kernel(tile_expert_ref, slot_token_ref, planes_ref, out_ref, *, tokens, slo
 
 def slot_planes(token_planes, tile_expert, slot_token, tile_t: int, num_experts: int, *,
                 interpret: bool | None = None):
-    """token_planes [2, N, K/2] (`wgmma_mxfp4.token_planes`), the dispatch's tile_expert [T] and slot_token
-    [T * tile_t] -> the slots' planes [2, T * tile_t, K/2], the rows of unused tiles (tile_expert == E)
-    undefined. K/2 needs a power-of-two divisor of at least 16."""
-    two, tokens, half = token_planes.shape
+    """token_planes [P, N, C] (`wgmma_mxfp4.token_planes`: P = 2, C = K/2; `token_words`: P = 1, C = K), the
+    dispatch's tile_expert [T] and slot_token [T * tile_t] -> the slots' planes [P, T * tile_t, C], the rows of
+    unused tiles (tile_expert == E) undefined. C needs a power-of-two divisor of at least 16."""
+    num_planes, tokens, half = token_planes.shape
     slots = slot_token.shape[0]
-    if two != 2 or slots != tile_expert.shape[0] * tile_t:
-        raise ValueError(f"slot_planes: token_planes {token_planes.shape} must be [2, N, K/2], slot_token "
-                         f"{slot_token.shape} {tile_expert.shape[0]} tiles of tile_t = {tile_t}")
+    if slots != tile_expert.shape[0] * tile_t:
+        raise ValueError(f"slot_planes: slot_token {slot_token.shape} must be {tile_expert.shape[0]} tiles of "
+                         f"tile_t = {tile_t}")
     rows, cols = _largest_power_of_two_dividing(tile_t, MAX_ROWS), _largest_power_of_two_dividing(half, MAX_COLS)
     if cols < 16:
-        raise ValueError(f"slot_planes: K/2 = {half} needs a power-of-two divisor >= 16")
+        raise ValueError(f"slot_planes: token_planes {token_planes.shape}: its rows ({half}) need a power-of-two "
+                         f"divisor >= 16")
     kernel = functools.partial(_kernel, tokens=tokens, slots=slots, tile_t=tile_t, rows=rows, cols=cols,
                                num_cols=half // cols, num_experts=num_experts)
     out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((2 * slots, half), token_planes.dtype), grid=(slots // rows, 2),
-        compiler_params=_CompilerParams(num_warps=4, num_stages=1), interpret=resolve_interpret(interpret),
-        name="moe_slot_planes",
-    )(tile_expert.astype(jnp.int32), slot_token.astype(jnp.int32), token_planes.reshape(2 * tokens, half))
-    return out.reshape(2, slots, half)
+        kernel, out_shape=jax.ShapeDtypeStruct((num_planes * slots, half), token_planes.dtype),
+        grid=(slots // rows, num_planes), compiler_params=_CompilerParams(num_warps=4, num_stages=1),
+        interpret=resolve_interpret(interpret), name="moe_slot_planes",
+    )(tile_expert.astype(jnp.int32), slot_token.astype(jnp.int32), token_planes.reshape(num_planes * tokens, half))
+    return out.reshape(num_planes, slots, half)

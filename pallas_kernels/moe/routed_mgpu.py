@@ -33,12 +33,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kimik3_jax.mxfp4 import dequantize
 from kimik3_jax.ops.common import situ
 from pallas_kernels.moe import dispatch as dsp
 from pallas_kernels.moe.gather import slot_planes
-from pallas_kernels.moe.wgmma_mxfp4 import QUICK_MAX, grouped_mxfp4_matmul_t, token_planes, transpose_scales
+from pallas_kernels.moe.wgmma_mxfp4 import (QUICK_MAX, grouped_mxfp4_matmul_t, token_planes, token_words,
+                                            transpose_scales, word_order)
 
 # tile_t: slots per tile (the dispatch's bm, wgmma's N), None: by the mean group size (`tile_slots`); row_blocks:
 # (gate+up's, down's) 128-row blocks per tile. The best on the H200 at K3's widths and 16384 tokens
@@ -81,7 +83,7 @@ def fits(latent: int, width: int, tuning=None) -> bool:
 
 def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
                        tile_t: int = 128, x_tk: bool = False, plane_rows: bool = False, transpose_out: bool = False,
-                       **_):
+                       words: bool = False, **_):
     """`grouped_mxfp4_matmul_t` in plain JAX (dequantise each tile's expert, fp32 products): the CPU's stand-in
     for the kernel, and the GPU tests' reference. Unused tiles give zeros."""
     num_experts = packed[0].shape[0]
@@ -89,6 +91,9 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
     e = jnp.minimum(tile_expert, num_experts - 1)
     if x_tk:
         planes = jnp.swapaxes(planes, 1, 2)
+    if words:  # [1, K, S] in word_order -> x's even and odd columns, [2, K/2, S]
+        x = planes[0, np.argsort(word_order(planes.shape[1]))]
+        planes = jnp.stack([x[0::2], x[1::2]])
     if plane_rows:  # the weight rows in the output's order, as the kernel reads them
         packed = [jnp.swapaxes(p.reshape(num_experts, -1, 2, p.shape[-1]), 1, 2).reshape(p.shape) for p in packed]
     x = jnp.moveaxis(planes.reshape(2, planes.shape[1], tiles, tile_t), 2, 0).astype(jnp.float32)  # [tiles, 2, K/2, tile_t]
@@ -122,6 +127,7 @@ def stages(tuning=None, *, pairs=None, num_experts=None, scale_max=None, matmul_
     kernels take the one-multiply decode; `matmul_t`: the grouped GEMM (default the Mosaic GPU kernel; tests
     pass `reference_matmul_t`)."""
     t = {**TUNING, "quick": scale_max is not None and scale_max <= QUICK_MAX, **(tuning or {})}
+    words = bool(t.pop("words", False)) and t["quick"]  # gate+up's words decode takes the quick decode only
     if t["tile_t"] is None:
         if pairs is None or num_experts is None:
             raise ValueError("routed_mgpu.stages: tile_t None (by the group sizes) needs pairs and num_experts")
@@ -133,7 +139,7 @@ def stages(tuning=None, *, pairs=None, num_experts=None, scale_max=None, matmul_
         return matmul_t(tile_expert, (experts.w1_packed, experts.w3_packed),
                         tuple(transpose_scales(s, plane_rows=True) for s in (experts.w1_scale, experts.w3_scale)),
                         planes, epilogue=lambda a1, a3: situ(a1, a3, beta, linear_beta), out_dtype=planes.dtype,
-                        x_tk=True, plane_rows=True, row_blocks=gate_up_rb)
+                        x_tk=True, plane_rows=True, row_blocks=gate_up_rb, words=words)
 
     def down(tile_expert, h_t, experts):
         width, slots = h_t.shape
@@ -141,7 +147,8 @@ def stages(tuning=None, *, pairs=None, num_experts=None, scale_max=None, matmul_
                         h_t.reshape(2, width // 2, slots), transpose_out=True, row_blocks=down_rb)
 
     def planes(xl, layout, num_experts):
-        return slot_planes(token_planes(xl), layout.tile_expert, layout.slot_token, t["tile_t"], num_experts)
+        return slot_planes((token_words if words else token_planes)(xl), layout.tile_expert, layout.slot_token,
+                           t["tile_t"], num_experts)
 
     return Stages(t["tile_t"], planes, gate_up, down)
 
