@@ -97,11 +97,13 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
                                     {"swar": True, "quick": True, "x_tk": True, "plane_rows": True, "row_blocks": 2},
                                     {"words": True, "quick": True, "x_tk": True, "plane_rows": True, "delay": 1,
                                      "persistent": True, "sms": 132, "stages": 3},
-                                    {"words": True, "quick": True, "plane_cols": 128, "tile_t": 16}])
+                                    {"words": True, "quick": True, "plane_cols": 128, "tile_t": 16},
+                                    {"words": True, "quick": True, "tile_t": 16, "wgs": 4, "x_tk": True,
+                                     "plane_rows": True}])
 def test_kernel_lowers_for_cuda(tuning):
     """Each layout option (token-major planes, plane-ordered rows, transposed output, 2 row blocks a tile, the
-    words decode) and tuning lowers for CUDA."""
-    n, k, t = 512, 512, tuning.get("tile_t", 256)
+    words decode, 4 compute warpgroups) and tuning lowers for CUDA."""
+    n, k, t = 1024 if tuning.get("wgs") == 4 else 512, 512, tuning.get("tile_t", 256)
     x = (1, k) if tuning.get("words") else (2, k // 2)
     planes = (x[0], t, x[1]) if tuning.get("x_tk") else (*x, t)
     args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),

@@ -3,7 +3,7 @@ eighteenth sessions) on Pallas' Mosaic GPU backend,
 warp-specialised, the design docs/benchmarks.md ("Still to run", the MoE prefill item) asks for. The Triton
 kernels decode a weight tile in registers and then wait on every wgmma, so decoding never overlaps the
 tensor cores; here a memory warpgroup streams the packed weights, the scales and the activations into a ring
-of shared-memory stages by TMA while two compute warpgroups decode and issue wgmma.
+of shared-memory stages by TMA while the compute warpgroups (two by default) decode and issue wgmma.
 
 out[N, T] = W[N, K] @ x[T, K]^T, with W stored as MXFP4: `packed` [N, K/2] uint8 (low nibble = k even, high
 nibble = k odd, as the release stores it) and `scales_t` [K/32, N] uint8 E8M0 (the release's [N, K/32],
@@ -216,13 +216,13 @@ def scaled(value, factor, quick: bool = False):
 
 def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue,
             persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int, quick: bool,
-            swar: bool, words: bool):
+            swar: bool, words: bool, wgs: int):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
     pipeline buffers, so that a tile's first loads overlap the previous tile's epilogue."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
-    n_tile = 2 * ROWS_PER_WG * row_blocks  # rows per tile: each compute warpgroup takes 64 of each 128
+    n_tile = wgs * ROWS_PER_WG * row_blocks  # rows per tile: each of the wgs compute warpgroups takes 64 of a block
     num_experts, half_k = w_gmem[0].shape[0], w_gmem[0].shape[-1]
     n = s_gmem[0].shape[-1]
     subs = plane_cols // PLANE_STEP
@@ -240,7 +240,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
         wg = lax.axis_index("wg")
         for i in range(plane_cols // WORD_BYTES):
             for j in range(row_blocks):
-                rows = pl.ds(j * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)
+                rows = pl.ds((j * wgs + wg) * ROWS_PER_WG, ROWS_PER_WG)
                 for m in range(mats):
                     a = word_steps(w_smem[m][rows, pl.ds(i * WORD_BYTES, WORD_BYTES)],
                                    *(factors(s_smem[m], 2 * i + b, rows) for b in range(2)))
@@ -256,7 +256,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
         for i in range(subs):
             cols = pl.ds(i * PLANE_STEP, PLANE_STEP)
             for j in range(row_blocks):
-                rows = pl.ds(j * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)
+                rows = pl.ds((j * wgs + wg) * ROWS_PER_WG, ROWS_PER_WG)
                 for m in range(mats):
                     factor = factors(s_smem[m], i, rows)
                     for value, x_smem in zip(planes_of(w_smem[m][rows, cols], swar), (xlo_smem, xhi_smem)):
@@ -272,7 +272,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
                 toks = pl.ds(t_idx * tile_t, tile_t)
                 for j in range(row_blocks):
                     out = epilogue(*(a[...] for a in accs[j * mats:(j + 1) * mats])).astype(out_gmem.dtype)
-                    rows = pl.ds(n_idx * n_tile + j * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)
+                    rows = pl.ds(n_idx * n_tile + (j * wgs + wg) * ROWS_PER_WG, ROWS_PER_WG)
                     if transpose_out:
                         out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
                         plgpu.transpose_ref(out_gmem.at[toks, rows], (1, 0))[...] = out
@@ -289,7 +289,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
                                  delay_release=delay)
         return plgpu.emit_pipeline_warp_specialized(
             words_body if words else body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg",
-            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context,
+            num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context,
             in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * (2 - words))
 
     def operands(e, n_idx, t_idx):
@@ -347,7 +347,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
                           tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
                           persistent: bool = False, sms: int | None = None, x_tk: bool = False,
                           plane_rows: bool = False, transpose_out: bool = False, row_blocks: int = 1,
-                          quick: bool = False, swar: bool = False, words: bool = False):
+                          quick: bool = False, swar: bool = False, words: bool = False, wgs: int = 2):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
@@ -359,14 +359,15 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     plane_rows: the output's rows in plane order, row p * N/2 + i = weight row 2 i + p, so that out [N, S] is
     the next GEMM's [2, N/2, S] planes with no pass between (scales_t from `transpose_scales(..., plane_rows=
     True)`, in the same order). transpose_out: out is [S, N] (each block stored transposed from registers).
-    row_blocks: 128-row blocks per tile (each compute warpgroup holds mats x row_blocks accumulators), so that
+    row_blocks: row blocks per tile (each compute warpgroup holds mats x row_blocks accumulators), so that
     each activation tile in shared memory feeds more rows (2 for one matrix: as many accumulators as w1+w3).
+    wgs: compute warpgroups, each taking 64 rows of a row block (a block: wgs x 64 rows).
     quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
     nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane. words: the weights
     decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
     the activations not as planes but as one array in `word_order`: [1, K, S], or [1, S, K] with x_tk.
 
-    N a multiple of 128 (of 256 with plane_rows), S of tile_t (<= 256), K/2 of plane_cols (a multiple of
+    N a multiple of wgs x 64 x row_blocks (twice that with plane_rows), S of tile_t (<= 256), K/2 of plane_cols (a multiple of
     16). delay: 0 waits for each pipeline step's wgmmas before its shared-memory stage is released; 1
     releases a stage one step later and waits only for the previous step's wgmmas, so a step's decode
     overlaps the tensor cores' work on the step before (stages > 1). persistent: one program per SM (`sms`,
@@ -375,7 +376,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     mats = len(packed)
     num_experts, n, half_k = packed[0].shape
     t = planes.shape[1 if x_tk else 2]
-    rows = 2 * ROWS_PER_WG * row_blocks * (1 + plane_rows)
+    rows = wgs * ROWS_PER_WG * row_blocks * (1 + plane_rows)
     if n % rows or t % tile_t or half_k % plane_cols or plane_cols % PLANE_STEP or tile_t > 256:
         raise ValueError(f"mxfp4_matmul: N = {n} (multiple of {rows}), T = {t} (of tile_t = "
                          f"{tile_t} <= 256), K/2 = {half_k} (of plane_cols = {plane_cols}, a multiple of "
@@ -403,14 +404,14 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
                                delay=delay, epilogue=epilogue, persistent=persistent, x_tk=x_tk,
                                plane_rows=plane_rows, transpose_out=transpose_out, row_blocks=row_blocks,
-                               quick=quick, swar=swar, words=words)
+                               quick=quick, swar=swar, words=words, wgs=wgs)
     if persistent:
         grid, names = (sms or _sm_count(),), ("sm",)
     else:
-        grid, names = (n // (2 * ROWS_PER_WG * row_blocks), t // tile_t), ("n", "t")
+        grid, names = (n // (wgs * ROWS_PER_WG * row_blocks), t // tile_t), ("n", "t")
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((t, n) if transpose_out else (n, t), out_dtype), grid=grid,
-        grid_names=names, num_threads=3, thread_name="wg",
+        grid_names=names, num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(tile_expert.astype(jnp.int32), *packed, *scales_t, planes)
 
