@@ -140,23 +140,29 @@ def test_compiled_latent_moe_prefill_takes_the_mosaic_gpu_path(monkeypatch):
         assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), scale_max
 
 
-@pytest.mark.parametrize("n,k,kind,scale_max,swar", [(600, 4, "random", None, False), (600, 4, "random", 126, False),
-                                                     (300, 4, "skewed", 126, False), (800, 1, "one_expert", None, False),
-                                                     (257, 4, "random", 126, False), (600, 4, "random", None, True),
-                                                     (300, 4, "skewed", 126, True)])
-def test_compiled_mosaic_gpu_prefill_equals_pure_op(n, k, kind, scale_max, swar, monkeypatch):
+SWAR, WORDS = {"swar": True, "words": False}, {"swar": True, "words": True}
+NO_SWAR = {"swar": False, "words": False}
+
+
+@pytest.mark.parametrize("n,k,kind,scale_max,tuning", [
+    (600, 4, "random", None, NO_SWAR), (600, 4, "random", 126, NO_SWAR), (300, 4, "skewed", 126, NO_SWAR),
+    (800, 1, "one_expert", None, NO_SWAR), (257, 4, "random", 126, NO_SWAR), (600, 4, "random", None, SWAR),
+    (300, 4, "skewed", 126, SWAR), (600, 4, "random", 126, WORDS), (300, 4, "skewed", 126, WORDS),
+    (800, 1, "one_expert", 126, WORDS), (257, 4, "random", None, WORDS)])
+def test_compiled_mosaic_gpu_prefill_equals_pure_op(n, k, kind, scale_max, tuning, monkeypatch):
     """The prefill regime on Mosaic GPU (`routed_mgpu`, picked through routed_experts' switch: spied) against
     the pure op, at widths it takes (latent and expert width 256): uneven and empty experts, all pairs on one
     expert (7 tiles of one expert), a token count that leaves a partial tile; with the exact decode and, the
-    scale bytes being 118..126, the quick one (scale_max 126); and with the nibbles decoded two per 32-bit
-    word (swar, set in TUNING for the test)."""
+    scale bytes being 118..126, the quick one (scale_max 126); with the nibbles decoded two per 32-bit word
+    (swar), and gate+up's words decode (taken with the quick decode only; set in TUNING for the test)."""
     import test_moe_wgmma as wg_cpu
 
     from kimik3_jax.ops.moe import routed_experts
     from pallas_kernels.moe import routed_mgpu
     rng = np.random.default_rng([n, k, len(kind), 3])
     xl, idx, w, experts = wg_cpu._routed_case(rng, n, k, kind, num=16, width=256, latent=256)
-    monkeypatch.setitem(routed_mgpu.TUNING, "swar", swar)
+    for key, value in tuning.items():
+        monkeypatch.setitem(routed_mgpu.TUNING, key, value)
     calls = _spy_mosaic_gpu_path(monkeypatch)
     got = kern.routed_experts(xl, idx, w, experts, cpu.BETA, cpu.LINEAR_BETA, prefill_kernels="mgpu", interpret=False,
                               scale_max=scale_max)
