@@ -98,12 +98,12 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
                                     {"words": True, "quick": True, "x_tk": True, "plane_rows": True, "delay": 1,
                                      "persistent": True, "sms": 132, "stages": 3},
                                     {"words": True, "quick": True, "plane_cols": 128, "tile_t": 16},
-                                    {"words": True, "quick": True, "tile_t": 16, "wgs": 4, "x_tk": True,
+                                    {"words": True, "quick": True, "tile_t": 16, "wgs": 3, "x_tk": True,
                                      "plane_rows": True}])
 def test_kernel_lowers_for_cuda(tuning):
     """Each layout option (token-major planes, plane-ordered rows, transposed output, 2 row blocks a tile, the
-    words decode, 4 compute warpgroups) and tuning lowers for CUDA."""
-    n, k, t = 1024 if tuning.get("wgs") == 4 else 512, 512, tuning.get("tile_t", 256)
+    words decode, 3 compute warpgroups) and tuning lowers for CUDA."""
+    n, k, t = 768 if tuning.get("wgs") == 3 else 512, 512, tuning.get("tile_t", 256)
     x = (1, k) if tuning.get("words") else (2, k // 2)
     planes = (x[0], t, x[1]) if tuning.get("x_tk") else (*x, t)
     args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),
@@ -137,6 +137,9 @@ def test_bad_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="N = 256 \\(multiple of 512\\)"):  # 2 row blocks of plane-ordered rows
         wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 128, 256), jnp.bfloat16), x_tk=True,
                         plane_rows=True, row_blocks=2)
+    with pytest.raises(ValueError, match="wgs = 4 compute warpgroups"):
+        wg.mxfp4_matmul(jnp.zeros((512, 256), jnp.uint8), jnp.zeros((16, 512), jnp.uint8),
+                        jnp.zeros((2, 256, 256), jnp.bfloat16), wgs=4)
     with pytest.raises(ValueError, match="words needs quick"):
         wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((1, 512, 256), jnp.bfloat16), words=True)
     with pytest.raises(ValueError, match="do not match \\(1, 512, 256\\)"):  # planes given to the words decode

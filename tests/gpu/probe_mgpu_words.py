@@ -41,9 +41,7 @@ TOKENS = [int(t) for t in os.environ.get("MOE_TOKENS", "16,512").split(",")]
 TILE = int(os.environ.get("MGPU_TILE", "16"))
 BASE = dict(tile_t=TILE, plane_cols=64, stages=3, delay=1, persistent=True, quick=True)
 PLANES = json.loads(os.environ.get("MGPU_PLANES", '[{"swar": true}]'))
-WORDS = json.loads(os.environ.get("MGPU_WORDS", '[{}, {"stages": 4}, {"plane_cols": 128}, {"plane_cols": 128, "stages": 4}, '
-                                                '{"row_blocks": 2}, {"row_blocks": 2, "stages": 4}, '
-                                                '{"plane_cols": 256, "stages": 2}]'))
+WORDS = json.loads(os.environ.get("MGPU_WORDS", '[{}, {"plane_cols": 128}, {"wgs": 3}, {"wgs": 3, "plane_cols": 128}]'))
 
 
 def gate_up(tuning, words):
