@@ -148,7 +148,8 @@ def test_words_decode_gives_the_wgmma_operands_in_word_order():
             for h in range(2):
                 row = 16 * w + lane // 4 + 8 * h
                 for blk in range(2):
-                    lo, hi = (tile[row, 8 * g + 2 * j: 8 * g + 2 * j + 2].astype(np.uint32) for g in (2 * blk, 2 * blk + 1))
+                    lo, hi = (tile[row, 8 * g + 2 * j: 8 * g + 2 * j + 2].astype(np.uint32)
+                              for g in (2 * blk, 2 * blk + 1))
                     f = factor_bits[row, blk]
                     out = run_ptx(wg._WORD_ASM, {"$4": np.array([lo[0] | lo[1] << 8]),
                                                  "$5": np.array([hi[0] | hi[1] << 8]),

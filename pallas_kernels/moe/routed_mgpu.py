@@ -49,7 +49,9 @@ from pallas_kernels.moe.wgmma_mxfp4 import (QUICK_MAX, grouped_mxfp4_matmul_t, t
 # 16.8-17.1 ms against 23.8-24.0 with 1; gate+up keeps 1 (2 matrices are already 2 accumulators a warpgroup);
 # 4 row blocks exceed TMA's 256-row box. swar (the nibbles' bits two per 32-bit word, H100 2026-12-06): gate+up
 # 35.3 -> 32.4 ms, down 16.2 -> 15.9 with the quick decode. The quick decode itself is not a tuning: `stages`
-# takes it when the scale bytes allow.
+# takes it when the scale bytes allow. words (gate+up's words decode, with the quick decode only: `wgmma_mxfp4.
+# word_steps`) is off: its kernel is 2% faster at 16384 tokens (H100, 2026-12-07), the whole path with it not
+# yet measured with `token_words` as a gather.
 TUNING = dict(tile_t=None, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2), swar=True)
 # Bounds of `tile_slots`: 160 slots is the largest tile measured best (176 ran 3% slower at 16384 tokens, 256
 # runs out of shared memory, above), and small tiles repeat the decode (64 at 7168 tokens: 1.43x the time of 144).

@@ -29,6 +29,11 @@ How the decode avoids any register shuffles (offline lowering on jax 0.10.2, 202
   included; on the routed path at 16384 tokens quick + swar took 58.3 to 51.6 ms (H100; swar alone 1.17x on
   the H200), 2026-12-06.
 
+`words` (2026-12-07) decodes instead with the Triton decoder's asm1r PTX on 32-bit words, each thread's word
+giving exactly its registers of four wgmmas (no moves), the activations permuted to match (`word_order`): the
+gate+up kernel 2% faster at prefill counts, and at decode counts no faster than the Triton decode kernels
+(docs/benchmarks.md, thirty-fourth session).
+
 Grouped over experts (`grouped_mxfp4_matmul_t`: each token tile's expert from the dispatch's table), it is the
 prefill regime of `pallas_kernels/moe/routed_mgpu.py` (the default: `routed.PREFILL_KERNELS = "mgpu"`). The
 transposed scales are 3% of the packed bytes, made per call for now.
@@ -148,8 +153,8 @@ def planes_of(packed, swar: bool = False):
 
 
 WORD_BYTES = 32  # packed bytes a row that one `word_steps` call decodes: 64 k, two scale blocks, 4 wgmmas
-# _ASM1R on the word of two 16-bit register halves (bytes 2q, 2q + 1 and 2q + 8, 2q + 9 of a scale block's 16 in
-# the WGMMA layout), all four results times one factor ($6): the row's 2^(s - 1) as bf16x2
+# _ASM1R on the word of two 16-bit register halves (bytes 2j, 2j + 1 and 2j + 8, 2j + 9 of a scale block's 16 in
+# the WGMMA layout, j = lane % 4), all four results times one factor ($6): the row's 2^(s - 1) as bf16x2
 _WORD_ASM = ("{ .reg .b32 q, a, b, c, t, m, z; mov.b32 z, 0x80008000; prmt.b32 q, $4, $5, 0x5410; "
              + asm1r_body("q", ("$6",) * 4) + "}")
 
@@ -218,7 +223,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
             persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int, quick: bool,
             swar: bool, words: bool, wgs: int):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
-    out[128 rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
+    out[n_tile rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
     pipeline buffers, so that a tile's first loads overlap the previous tile's epilogue."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
@@ -367,10 +372,10 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
     the activations not as planes but as one array in `word_order`: [1, K, S], or [1, S, K] with x_tk.
 
-    N a multiple of wgs x 64 x row_blocks (twice that with plane_rows), S of tile_t (<= 256), K/2 of plane_cols (a multiple of
-    16). delay: 0 waits for each pipeline step's wgmmas before its shared-memory stage is released; 1
-    releases a stage one step later and waits only for the previous step's wgmmas, so a step's decode
-    overlaps the tensor cores' work on the step before (stages > 1). persistent: one program per SM (`sms`,
+    N a multiple of wgs x 64 x row_blocks (twice that with plane_rows), S of tile_t (<= 256), K/2 of plane_cols
+    (a multiple of 16; of 32 with words). delay: 0 waits for each pipeline step's wgmmas before its
+    shared-memory stage is released; 1 releases a stage one step later and waits only for the previous step's
+    wgmmas, so a step's decode overlaps the tensor cores' work on the step before (stages > 1). persistent: one program per SM (`sms`,
     default the device's count) looping over the tiles."""
     packed, scales_t = tuple(packed), tuple(scales_t)
     mats = len(packed)

@@ -13,7 +13,10 @@ sums k in another order, so one-ulp flips show).
 
     python3 tests/gpu/probe_mgpu_words.py                      # MOE_TOKENS=16,512
     MGPU_WORDS='[{"plane_cols": 128}]' python3 tests/gpu/probe_mgpu_words.py
-    MGPU_DUMP=DIR python3 tests/gpu/probe_mgpu_words.py        # also each Mosaic GPU kernel's SASS and ptxas log
+    MGPU_DUMP=DIR python3 tests/gpu/probe_mgpu_words.py        # also each Mosaic GPU kernel's PTX and ptxas log
+
+First runs (H100, 2026-12-07, docs/benchmarks.md, thirty-fourth session): at 16 tokens Triton 1.05-1.12 ms, the
+words kernels 1.41-1.55 (3 compute warpgroups and plane_cols 128 the best), the planes kernel 1.54-1.57.
 """
 import json
 import os
@@ -75,7 +78,8 @@ def main():
         runs.update({f"mgpu planes {t}": (gate_up(t, False), (lo.tile_expert, x_planes, ex, *scales)) for t in PLANES})
         runs.update({f"mgpu words {t}": (gate_up(t, True), (lo.tile_expert, x_words, ex, *scales)) for t in WORDS})
         ref = None
-        print(f"{n} tokens: {int(used.sum())} used slots of {used.size}; gate+up bytes {nbytes / 1e9:.3f} GB", flush=True)
+        print(f"{n} tokens: {int(used.sum())} used slots of {used.size}; gate+up bytes {nbytes / 1e9:.3f} GB",
+              flush=True)
         for name, (f, args) in list(runs.items()):
             try:
                 out = np.asarray(f(*args).astype(jnp.float32))
