@@ -5,8 +5,11 @@
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmpr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): on an H200, "4" (the MoE table with its XLA peers, which need
 # more than 80 GB; its Mosaic GPU rows: the whole prefill against 450 TFLOP/s), then "0" and "p" (the KDA decode
-# against fla and the copy bandwidth of the same run; the state kernel's tunings). Done 2026-12-07 (thirty-third
-# session, H100): tests/gpu/probe_moe_kwidth.py (kWidth 2 for the gate+up decode: 1.95x slower), the Mosaic GPU
+# against fla and the copy bandwidth of the same run; the state kernel's tunings), and on any card the whole prefill
+# path with gate+up's words decode (docs: "Still to run", item 2). Done 2026-12-07 (thirty-fourth session, H100):
+# tests/gpu/probe_mgpu_words.py (Mosaic GPU's words decode: 1.3x slower than the Triton gate+up decode at 16
+# tokens, its gate+up kernel 2% faster at 16384), tests/gpu/test_moe_gpu.py -k mosaic (12 passed). Done 2026-12-07
+# (thirty-third session, H100): tests/gpu/probe_moe_kwidth.py (kWidth 2 for the gate+up decode: 1.95x slower), the Mosaic GPU
 # gate+up tile widths (probe_mgpu_routed.py, MGPU_GATE_UP_ONLY=1: 5.0 us a tile + 56 ns a column). Done 2026-12-07 (thirty-first
 # session, H100): the asm1s decode on re-laid words swept (branch exp/moe-shuffle; gate+up 2-8% faster, not
 # kept), tests/gpu/probe_moe_permute.py (x's permutation fuses into the latent projection). Done 2026-12-07
