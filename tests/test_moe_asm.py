@@ -134,7 +134,8 @@ def test_words_decode_gives_the_wgmma_operands_in_word_order():
     tile in the WGMMA layout (row 16 w + l // 4 + 8 h, columns 8 g + 2 (l % 4) + {0, 1}) joined into a word per
     scale block, _WORD_ASM run on it, and its four results placed as `word_steps` places them, make the four
     wgmma A operands whose columns are the dequantised tile's in `word_order`, bit for bit (scale bytes
-    1..128, every byte value in every position)."""
+    1..128; each byte value 8 times, at shuffled positions: asm1r's bits for every byte at every position of a
+    word are `test_asm1r_decodes_in_its_permuted_order`'s)."""
     from pallas_kernels.moe import wgmma_mxfp4 as wg
 
     rng = np.random.default_rng(0)

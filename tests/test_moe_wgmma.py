@@ -114,7 +114,7 @@ def test_kernel_lowers_for_cuda(tuning):
 
 
 def test_token_words_are_the_columns_in_word_order():
-    """`token_words` (a reshape and transpose) puts x's columns in `word_order`, a permutation of each 64."""
+    """`token_words` (a gather by a constant index) puts x's columns in `word_order`, a permutation of each 64."""
     x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
     order = wg.word_order(256)
     assert sorted(order) == list(range(256)) and all(sorted(order[i:i + 64] - i) == list(range(64))

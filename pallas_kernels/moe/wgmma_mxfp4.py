@@ -375,8 +375,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     N a multiple of wgs x 64 x row_blocks (twice that with plane_rows), S of tile_t (<= 256), K/2 of plane_cols
     (a multiple of 16; of 32 with words). delay: 0 waits for each pipeline step's wgmmas before its
     shared-memory stage is released; 1 releases a stage one step later and waits only for the previous step's
-    wgmmas, so a step's decode overlaps the tensor cores' work on the step before (stages > 1). persistent: one program per SM (`sms`,
-    default the device's count) looping over the tiles."""
+    wgmmas, so a step's decode overlaps the tensor cores' work on the step before (stages > 1). persistent:
+    one program per SM (`sms`, default the device's count) looping over the tiles."""
     packed, scales_t = tuple(packed), tuple(scales_t)
     mats = len(packed)
     num_experts, n, half_k = packed[0].shape
