@@ -230,9 +230,9 @@ def measure_mgpu(ex, n, scale_max):
     path = rm.stages(pairs=idx.size, num_experts=E, scale_max=scale_max, matmul_t=MGPU_MATMUL)
     lo = jax.jit(lambda i, ww: dsp.block_layout(i, ww, E, path.tile_t))(idx, w)
     planes = jax.jit(path.planes, static_argnums=2)(xl, lo, E)
-    gu = jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
-    h_t = gu(lo.tile_expert, planes, ex)
-    return {"gate_up_s": timeit(gu, lo.tile_expert, planes, ex), "down_s": timeit(jax.jit(path.down), lo.tile_expert,
+    gu = jax.jit(lambda lo, p, e: path.gate_up(lo, p, e, BETA, LINEAR_BETA))
+    h_t = gu(lo, planes, ex)
+    return {"gate_up_s": timeit(gu, lo, planes, ex), "down_s": timeit(jax.jit(path.down), lo,
                                                                                    h_t, ex),
             "whole_s": timeit(mgpu_fn(scale_max), xl, idx, w, ex)}
 

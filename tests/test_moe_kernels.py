@@ -280,6 +280,9 @@ def test_block_layout(n, k, kind, bm):
     used = te < E
     assert used.sum() == sum(-(-np.sum(flat == e) // bm) for e in range(E))
     assert (np.diff(te) >= 0).all() and not used[used.sum():].any()  # sorted by expert, unused tiles last
+    filled = np.bincount(slot // bm, minlength=len(te))  # each tile's pairs, which are its first slots
+    np.testing.assert_array_equal(np.asarray(lay.tile_used), filled)
+    assert (slot % bm < filled[slot // bm]).all()
 
 
 def test_num_tiles_bound_is_tight_for_a_token_per_expert():

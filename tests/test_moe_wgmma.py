@@ -99,11 +99,18 @@ def test_planes_times_decoded_nibbles_equal_the_dequantised_product():
                                      "persistent": True, "sms": 132, "stages": 3},
                                     {"words": True, "quick": True, "plane_cols": 128, "tile_t": 16},
                                     {"words": True, "quick": True, "tile_t": 16, "wgs": 3, "x_tk": True,
-                                     "plane_rows": True}])
+                                     "plane_rows": True},
+                                    {"narrow": 16, "tile_t": 160, "x_tk": True, "plane_rows": True, "quick": True,
+                                     "swar": True, "delay": 1, "persistent": True, "sms": 132, "stages": 3},
+                                    {"narrow": 16, "tile_t": 160, "words": True, "quick": True, "x_tk": True,
+                                     "plane_rows": True, "delay": 1, "persistent": True, "sms": 132, "stages": 3},
+                                    {"narrow": 16, "tile_t": 64, "transpose_out": True, "row_blocks": 2}])
 def test_kernel_lowers_for_cuda(tuning):
     """Each layout option (token-major planes, plane-ordered rows, transposed output, 2 row blocks a tile, the
-    words decode, 3 compute warpgroups) and tuning lowers for CUDA."""
-    n, k, t = 768 if tuning.get("wgs") == 3 else 512, 512, tuning.get("tile_t", 256)
+    words decode, 3 compute warpgroups, tiles narrowed to their used slots) and tuning lowers for CUDA."""
+    n, k, t = 768 if tuning.get("wgs") == 3 else 512, 512, 2 * tuning.get("tile_t", 128)
+    if tuning.get("narrow"):  # a full tile and one of 37 used slots
+        tuning = dict(tuning, tile_used=jnp.asarray([tuning["tile_t"], 37], jnp.int32))
     x = (1, k) if tuning.get("words") else (2, k // 2)
     planes = (x[0], t, x[1]) if tuning.get("x_tk") else (*x, t)
     args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),
@@ -145,6 +152,10 @@ def test_bad_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="do not match \\(1, 512, 256\\)"):  # planes given to the words decode
         wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 256, 256), jnp.bfloat16), words=True,
                         quick=True)
+    for narrow, used in ((8, (128, 5)), (16, None), (16, (128,))):  # not a multiple of 16; no or short tile_used
+        with pytest.raises(ValueError, match=f"narrow = {narrow} must be a multiple of 16 dividing tile_t = 128"):
+            wg.mxfp4_matmul(packed, jnp.zeros((16, 256), jnp.uint8), jnp.zeros((2, 256, 256), jnp.bfloat16),
+                            narrow=narrow, tile_used=None if used is None else jnp.asarray(used, jnp.int32))
 
 
 # ------------------------------------------------------------------- the routed experts on Mosaic GPU
@@ -167,12 +178,16 @@ def _routed_case(rng, n, k, kind, num=16, width=128, latent=64):
 
 @pytest.mark.parametrize("n,k,kind,tuning", [(40, 4, "skewed", dict(tile_t=16)), (33, 1, "one_expert", dict(tile_t=16)),
                                              (150, 4, "random", dict(tile_t=16)), (150, 4, "random", None),
-                                             (40, 4, "skewed", dict(tile_t=16, words=True))])
+                                             (40, 4, "skewed", dict(tile_t=16, words=True)),
+                                             (40, 4, "skewed", dict(tile_t=32, narrow=16)),
+                                             (150, 4, "random", dict(narrow=16, words=True))])
 def test_routed_glue_equals_pure_op(n, k, kind, tuning):
     """The Mosaic GPU path's glue (dispatch, planes, h^T to down's planes, y^T to the weighted combine) with
     the kernel's pure-JAX reference in its place, against the pure op; fails if any plane or transpose is
     off (checked by swapping h's planes). Tuning None: the tiles sized by `tile_slots`; words: gate+up's
-    activations as token words (with the scale bytes' bound given: the words decode is a quick one)."""
+    activations as token words (with the scale bytes' bound given: the words decode is a quick one); narrow:
+    each tile's products only over its used slots rounded up (the reference zeroes the rest, so a tile_used
+    short of a tile's pairs fails)."""
     from test_moe_kernels import BETA, LINEAR_BETA, RTOL
     rng = np.random.default_rng([n, k, 7])
     xl, idx, w, experts = _routed_case(rng, n, k, kind)
@@ -227,6 +242,14 @@ def test_reference_matmul_t_equals_dequantised_product_and_skips_unused_tiles():
                 else np.zeros((n, tile)))
         np.testing.assert_allclose(np.asarray(got[:, cols], np.float64), want, rtol=1e-5,
                                    atol=1e-5 * max(1.0, np.abs(want).max()))
+        # narrowed to 3, 8, 0 and 5 used slots in steps of 4: the columns from 4, -, - and 8 on are zeros
+        cut = rm.reference_matmul_t(jnp.asarray(tiles), (jnp.asarray(packed),),
+                                    (wg.transpose_scales(jnp.asarray(scales)),),
+                                    wg.x_planes(jnp.asarray(x, jnp.bfloat16)), tile_t=tile, narrow=4,
+                                    tile_used=jnp.asarray([3, 8, 0, 5]))
+        keep = [4, 8, 4, 8][i]
+        np.testing.assert_array_equal(np.asarray(cut[:, cols][:, :keep]), np.asarray(got[:, cols][:, :keep]))
+        assert not np.asarray(cut[:, cols][:, keep:]).any()
 
 
 def test_routed_mgpu_lowers_for_cuda():

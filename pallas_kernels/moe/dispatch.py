@@ -23,6 +23,7 @@ class BlockLayout(NamedTuple):
     slot_weight: jax.Array   # [T * bm] float32: its routing weight (0 for padding)
     slot_of_pair: jax.Array  # [N * k] int32: where pair (n, j) (row-major) landed
     pair_used: jax.Array     # [N * k] bool: False for a skipped pair (expert id out of range)
+    tile_used: jax.Array     # [T] int32: the slots of each tile that hold pairs (its first ones; 0 if unused)
 
 
 def num_tiles(pairs: int, num_experts: int, bm: int) -> int:
@@ -58,7 +59,8 @@ def block_layout(idx: jax.Array, weights: jax.Array, num_experts: int, bm: int) 
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(pairs, dtype=order.dtype), unique_indices=True)
     fe = jnp.minimum(flat, num_experts - 1)
     slot_of_pair = jnp.where(pair_used, tile_start[fe] * bm + rank - start[fe], 0).astype(jnp.int32)
-    return BlockLayout(tile_expert, slot_token, slot_weight, slot_of_pair, pair_used)
+    tile_used = jnp.where(tile_expert < num_experts, jnp.clip(sizes[e] - (t - tile_start[e]) * bm, 0, bm), 0)
+    return BlockLayout(tile_expert, slot_token, slot_weight, slot_of_pair, pair_used, tile_used.astype(jnp.int32))
 
 
 def combine(y_slots: jax.Array, layout: BlockLayout, n: int, k: int, weighted: bool = True) -> jax.Array:

@@ -52,7 +52,7 @@ from pallas_kernels.moe.wgmma_mxfp4 import (QUICK_MAX, grouped_mxfp4_matmul_t, t
 # takes it when the scale bytes allow. words (gate+up's words decode, with the quick decode only: `wgmma_mxfp4.
 # word_steps`) is off: its kernel is 2% faster at 16384 tokens (H100, 2026-12-07), the whole path with it not
 # yet measured with `token_words` as a gather.
-TUNING = dict(tile_t=None, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2), swar=True)
+TUNING = dict(tile_t=None, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2), swar=True, narrow=0)
 # Bounds of `tile_slots`: 160 slots is the largest tile measured best (176 ran 3% slower at 16384 tokens, 256
 # runs out of shared memory, above), and small tiles repeat the decode (64 at 7168 tokens: 1.43x the time of 144).
 TILE_T_MAX, TILE_T_MIN, TILE_T_STEP = 160, 64, 16
@@ -85,9 +85,10 @@ def fits(latent: int, width: int, tuning=None) -> bool:
 
 def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
                        tile_t: int = 128, x_tk: bool = False, plane_rows: bool = False, transpose_out: bool = False,
-                       words: bool = False, **_):
+                       words: bool = False, tile_used=None, narrow: int = 0, **_):
     """`grouped_mxfp4_matmul_t` in plain JAX (dequantise each tile's expert, fp32 products): the CPU's stand-in
-    for the kernel, and the GPU tests' reference. Unused tiles give zeros."""
+    for the kernel, and the GPU tests' reference. Unused tiles give zeros; with `narrow`, so do the columns of
+    a tile past its used slots rounded up to `narrow` (the epilogue of zero accumulators there)."""
     num_experts = packed[0].shape[0]
     tiles = tile_expert.shape[0]
     e = jnp.minimum(tile_expert, num_experts - 1)
@@ -104,6 +105,9 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
         w = dequantize(p[e], jnp.swapaxes(sc[e], -1, -2), jnp.float32)  # [tiles, N, K]
         w = jnp.stack([w[..., 0::2], w[..., 1::2]], axis=1)  # [tiles, 2, N, K/2]
         accs.append(jnp.einsum("tpnk,tpks->tns", w, x, precision=jax.lax.Precision.HIGHEST))
+    if narrow:
+        width = jnp.minimum(-(-tile_used // narrow) * narrow, tile_t)
+        accs = [jnp.where(jnp.arange(tile_t) < width[:, None, None], a, 0.0) for a in accs]
     out = (epilogue or (lambda a: a))(*accs).astype(out_dtype)
     out = jnp.where((tile_expert < num_experts)[:, None, None], out, 0)  # [tiles, N, tile_t]
     out = jnp.moveaxis(out, 0, 1).reshape(out.shape[1], tiles * tile_t)
@@ -113,9 +117,9 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
 class Stages(NamedTuple):
     """The path's steps with one tuning, each a function of arrays (jit them alone to time them alone):
     tile_t: the dispatch's slots per tile; planes(xl, layout, num_experts) -> [2, S, L/2] (the rows of unused
-    tiles undefined: `gather.slot_planes`); gate_up(tile_expert, planes,
-    experts, beta, linear_beta) -> h^T [F, S] in bf16, rows in plane order; down(tile_expert, h^T, experts) ->
-    y [S, L] fp32."""
+    tiles undefined: `gather.slot_planes`); gate_up(layout, planes, experts, beta, linear_beta) -> h^T [F, S]
+    in bf16, rows in plane order; down(layout, h^T, experts) -> y [S, L] fp32 (layout: the dispatch's
+    `BlockLayout`, its tiles' experts and used slots)."""
     tile_t: int
     planes: Callable
     gate_up: Callable
@@ -137,16 +141,17 @@ def stages(tuning=None, *, pairs=None, num_experts=None, scale_max=None, matmul_
     gate_up_rb, down_rb = t.pop("row_blocks")
     matmul_t = functools.partial(matmul_t or grouped_mxfp4_matmul_t, **t)
 
-    def gate_up(tile_expert, planes, experts, beta, linear_beta):
-        return matmul_t(tile_expert, (experts.w1_packed, experts.w3_packed),
+    def gate_up(layout, planes, experts, beta, linear_beta):
+        return matmul_t(layout.tile_expert, (experts.w1_packed, experts.w3_packed),
                         tuple(transpose_scales(s, plane_rows=True) for s in (experts.w1_scale, experts.w3_scale)),
                         planes, epilogue=lambda a1, a3: situ(a1, a3, beta, linear_beta), out_dtype=planes.dtype,
-                        x_tk=True, plane_rows=True, row_blocks=gate_up_rb, words=words)
+                        x_tk=True, plane_rows=True, row_blocks=gate_up_rb, words=words, tile_used=layout.tile_used)
 
-    def down(tile_expert, h_t, experts):
+    def down(layout, h_t, experts):
         width, slots = h_t.shape
-        return matmul_t(tile_expert, (experts.w2_packed,), (transpose_scales(experts.w2_scale),),
-                        h_t.reshape(2, width // 2, slots), transpose_out=True, row_blocks=down_rb)
+        return matmul_t(layout.tile_expert, (experts.w2_packed,), (transpose_scales(experts.w2_scale),),
+                        h_t.reshape(2, width // 2, slots), transpose_out=True, row_blocks=down_rb,
+                        tile_used=layout.tile_used)
 
     def planes(xl, layout, num_experts):
         return slot_planes((token_words if words else token_planes)(xl), layout.tile_expert, layout.slot_token,
@@ -166,6 +171,6 @@ def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=
     path = stages(tuning, pairs=n * k, num_experts=num_experts, scale_max=scale_max, matmul_t=matmul_t)
     layout = dsp.block_layout(idx, weights, num_experts, path.tile_t)
     planes = path.planes(xl, layout, num_experts)  # [2, S, L/2]: a row gather of the used tiles
-    h_t = path.gate_up(layout.tile_expert, planes, experts, beta, linear_beta)  # [F, S] = down's planes [2, F/2, S]
-    y = path.down(layout.tile_expert, h_t, experts)  # [S, L] fp32
+    h_t = path.gate_up(layout, planes, experts, beta, linear_beta)  # [F, S] = down's planes [2, F/2, S]
+    y = path.down(layout, h_t, experts)  # [S, L] fp32
     return dsp.combine(y, layout, n, k, weighted=False)

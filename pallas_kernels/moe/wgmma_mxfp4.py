@@ -219,9 +219,9 @@ def scaled(value, factor, quick: bool = False):
     return value * factor
 
 
-def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int, epilogue,
-            persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int, quick: bool,
-            swar: bool, words: bool, wgs: int):
+def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int,
+            epilogue, persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int,
+            quick: bool, swar: bool, words: bool, wgs: int, widths: tuple):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[n_tile rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
@@ -232,15 +232,26 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
     n = s_gmem[0].shape[-1]
     subs = plane_cols // PLANE_STEP
 
-    def b_operand(x_smem, cols):
-        return plgpu.transpose_ref(x_smem.at[:, cols], (1, 0)) if x_tk else x_smem.at[cols]
+    def b_operand(x_smem, cols, width):
+        if x_tk:
+            return plgpu.transpose_ref(x_smem.at[pl.ds(0, width), cols], (1, 0))
+        return x_smem.at[cols, pl.ds(0, width)]
+
+    def mma(width_idx, acc, a, x_smem, cols):  # over the tile's first widths[width_idx] slots only
+        def issue(width):
+            return lambda: plgpu.wgmma(acc.at[:, pl.ds(0, width)] if width < tile_t else acc, a,
+                                       b_operand(x_smem, cols, width))
+        if len(widths) == 1:
+            issue(tile_t)()
+        else:
+            lax.switch(width_idx, [issue(w) for w in widths])
 
     def factors(s_smem, i, rows):  # scale block i's factor per row, as a [64, 16] WGMMA-layout operand
         s = s_smem[i, rows].astype(jnp.int16)  # [64]: this block's scale per row
         factor = lax.bitcast_convert_type((quick_scale_bits if quick else scale_bits)(s), jnp.bfloat16)
         return lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
 
-    def words_body(_, *smem):  # x in `word_order`: 4 wgmmas per 32 bytes a row (`word_steps`)
+    def words_body(width_idx, _, *smem):  # x in `word_order`: 4 wgmmas per 32 bytes a row (`word_steps`)
         w_smem, s_smem, (x_smem,), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
         wg = lax.axis_index("wg")
         for i in range(plane_cols // WORD_BYTES):
@@ -251,11 +262,11 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
                                    *(factors(s_smem[m], 2 * i + b, rows) for b in range(2)))
                     for st, value in enumerate(a):
                         cols = pl.ds((4 * i + st) * PLANE_STEP, PLANE_STEP)
-                        plgpu.wgmma(accs[j * mats + m], value, b_operand(x_smem, cols))
+                        mma(width_idx, accs[j * mats + m], value, x_smem, cols)
         plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # the same count of wgmmas a step as `body`
         return accs
 
-    def body(_, *smem):
+    def body(width_idx, _, *smem):
         w_smem, s_smem, (xlo_smem, xhi_smem), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
         wg = lax.axis_index("wg")
         for i in range(subs):
@@ -265,7 +276,7 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
                 for m in range(mats):
                     factor = factors(s_smem[m], i, rows)
                     for value, x_smem in zip(planes_of(w_smem[m][rows, cols], swar), (xlo_smem, xhi_smem)):
-                        plgpu.wgmma(accs[j * mats + m], scaled(value, factor, quick), b_operand(x_smem, cols))
+                        mma(width_idx, accs[j * mats + m], scaled(value, factor, quick), x_smem, cols)
         plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # with delay 1, this step's wgmmas may still run
         return accs
 
@@ -292,8 +303,9 @@ def _kernel(tile_expert, *refs, mats: int, tile_t: int, plane_cols: int, stages:
         x_spec = plgpu.BlockSpec((tile_t, x_cols) if x_tk else (x_cols, tile_t),
                                  (lambda k: (0, k)) if x_tk else (lambda k: (k, 0)), transforms=X_TRANSFORMS,
                                  delay_release=delay)
+        width_idx = tile_width[t_idx] if len(widths) > 1 else 0
         return plgpu.emit_pipeline_warp_specialized(
-            words_body if words else body, grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg",
+            functools.partial(words_body if words else body, width_idx), grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg",
             num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context,
             in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * (2 - words))
 
@@ -352,7 +364,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
                           tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
                           persistent: bool = False, sms: int | None = None, x_tk: bool = False,
                           plane_rows: bool = False, transpose_out: bool = False, row_blocks: int = 1,
-                          quick: bool = False, swar: bool = False, words: bool = False, wgs: int = 2):
+                          quick: bool = False, swar: bool = False, words: bool = False, wgs: int = 2,
+                          tile_used=None, narrow: int = 0):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
@@ -367,6 +380,9 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     row_blocks: row blocks per tile (each compute warpgroup holds mats x row_blocks accumulators), so that
     each activation tile in shared memory feeds more rows (2 for one matrix: as many accumulators as w1+w3).
     wgs: compute warpgroups (2 or 3), each taking 64 rows of a row block (a block: wgs x 64 rows).
+    narrow (a multiple of 16, the activation tiles' width, dividing tile_t; 0: off) with tile_used ([T] int32, the slots of each tile that
+    hold pairs, a prefix): each tile's wgmmas cover only its first used slots rounded up to `narrow`, chosen per
+    tile among tile_t / narrow static widths; its other columns are the epilogue of zero accumulators.
     quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
     nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane. words: the weights
     decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
@@ -397,6 +413,12 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     if words and (not quick or plane_cols % WORD_BYTES):
         raise ValueError(f"mxfp4_matmul: words needs quick and plane_cols a multiple of {WORD_BYTES}, got quick = "
                          f"{quick}, plane_cols = {plane_cols}")
+    if narrow and (narrow % 16 or tile_t % narrow or tile_used is None or tile_used.shape != (t // tile_t,)):
+        raise ValueError(f"mxfp4_matmul: narrow = {narrow} must be a multiple of 16 dividing tile_t = {tile_t}, with "
+                         f"tile_used [{t // tile_t}] (got {None if tile_used is None else tile_used.shape})")
+    widths = tuple(range(narrow, tile_t + 1, narrow)) if narrow else (tile_t,)
+    width_idx = (jnp.clip((tile_used + narrow - 1) // narrow - 1, 0, len(widths) - 1).astype(jnp.int32) if narrow
+                 else jnp.zeros((t // tile_t,), jnp.int32))
     x_shape = (1, 2 * half_k) if words else (2, half_k)  # [planes, k per plane]
     want = (x_shape[0], t, x_shape[1]) if x_tk else (*x_shape, t)
     if planes.shape != want or tile_expert.shape != (t // tile_t,):
@@ -411,7 +433,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     kernel = functools.partial(_kernel, mats=mats, tile_t=tile_t, plane_cols=plane_cols, stages=stages,
                                delay=delay, epilogue=epilogue, persistent=persistent, x_tk=x_tk,
                                plane_rows=plane_rows, transpose_out=transpose_out, row_blocks=row_blocks,
-                               quick=quick, swar=swar, words=words, wgs=wgs)
+                               quick=quick, swar=swar, words=words, wgs=wgs, widths=widths)
     if persistent:
         grid, names = (sms or _sm_count(),), ("sm",)
     else:
@@ -420,7 +442,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
         kernel, out_type=jax.ShapeDtypeStruct((t, n) if transpose_out else (n, t), out_dtype), grid=grid,
         grid_names=names, num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(tile_expert.astype(jnp.int32), *packed, *scales_t, planes)
+    )(tile_expert.astype(jnp.int32), width_idx, *packed, *scales_t, planes)
 
 
 def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, **options):

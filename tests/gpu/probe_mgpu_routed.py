@@ -40,7 +40,7 @@ def gate_up_stage(tuning, xl, idx, w):
     path = rm.stages(tuning, pairs=idx.size, num_experts=896)
     lo = dsp.block_layout(idx, w, 896, path.tile_t)
     planes = jax.jit(path.planes, static_argnums=2)(xl, lo, 896)
-    return path, lo, planes, jax.jit(lambda te, p, e: path.gate_up(te, p, e, BETA, LINEAR_BETA))
+    return path, lo, planes, jax.jit(lambda lo, p, e: path.gate_up(lo, p, e, BETA, LINEAR_BETA))
 
 
 def gate_up_alone(xl, idx, w, ex, flops):
@@ -48,7 +48,7 @@ def gate_up_alone(xl, idx, w, ex, flops):
     tiles: the others return at once) with their columns (tiles x tile_t, padding included)."""
     for tuning in TUNINGS:
         path, lo, planes, gu = gate_up_stage(tuning, xl, idx, w)
-        times = [device_seconds(gu, lo.tile_expert, planes, ex, calls=3) for _ in range(2)]
+        times = [device_seconds(gu, lo, planes, ex, calls=3) for _ in range(2)]
         used = int((np.asarray(lo.tile_expert) < 896).sum())
         print(f"  mgpu {tuning}: gate+up kernel {' / '.join(f'{t * 1e3:.3f}' for t in times)} ms "
               f"({flops * 2 / 3 / min(times) / 1e12:.0f} TFLOP/s useful); {used} tiles of {path.tile_t} used "
@@ -86,10 +86,10 @@ def main():
                 rb = dict(rm.TUNING, **tuning)["row_blocks"]
                 # down with fewer row blocks
                 fewer = rm.stages({**tuning, "row_blocks": (rb[0], max(1, rb[1] // 2))}, **groups)
-                s_gu = device_seconds(gu, lo.tile_expert, planes, ex, calls=3)
-                h_t = gu(lo.tile_expert, planes, ex)
+                s_gu = device_seconds(gu, lo, planes, ex, calls=3)
+                h_t = gu(lo, planes, ex)
                 dn = [jax.jit(stage.down) for stage in (path, fewer)]
-                s_dn, s_dn_t = (device_seconds(d, lo.tile_expert, h_t, ex, calls=3) for d in dn)
+                s_dn, s_dn_t = (device_seconds(d, lo, h_t, ex, calls=3) for d in dn)
                 print(f"  mgpu {tuning}: whole {s * 1e3:.3f} ms ({flops / s / 1e12:.0f} TFLOP/s, "
                       f"{mxfp4 / s / 1e12:.2f} TB/s, "
                       f"{s_tri / s:.2f}x triton), rel. max error vs triton {err:.1e}; gate+up kernel "
@@ -97,7 +97,7 @@ def main():
                       f"({flops / 3 / s_dn / 1e12:.0f} TFLOP/s; {s_dn_t * 1e3:.3f} ms with {max(1, rb[1] // 2)} row "
                       f"blocks), glue {(s - s_gu - s_dn) * 1e3:.3f} ms; slots {planes.shape[1]} in tiles of "
                       f"{path.tile_t}", flush=True)
-                y = dn[0](lo.tile_expert, h_t, ex)
+                y = dn[0](lo, h_t, ex)
                 parts = {
                     "dispatch": (jax.jit(lambda i, w: dsp.block_layout(i, w, 896, path.tile_t)), idx, w),
                     "planes gather": (jax.jit(lambda x, lo: path.planes(x, lo, 896)), xl, lo),
@@ -111,10 +111,10 @@ def main():
                         p = path.planes(x, layout, 896)
                         if stage == 0:
                             return p
-                        h = path.gate_up(layout.tile_expert, p, e, BETA, LINEAR_BETA)
+                        h = path.gate_up(layout, p, e, BETA, LINEAR_BETA)
                         if stage == 1:
                             return h
-                        return path.down(layout.tile_expert, h, e)
+                        return path.down(layout, h, e)
                     return jax.jit(f)
                 print("  in place: " + ", ".join(f"{name} {device_seconds(upto(i), xl, idx, w, ex, calls=3) * 1e3:.3f} ms"
                                                  for i, name in enumerate(("dispatch+planes", "+gate+up", "+down"))),

@@ -142,19 +142,22 @@ def test_compiled_latent_moe_prefill_takes_the_mosaic_gpu_path(monkeypatch):
 
 SWAR, WORDS = {"swar": True, "words": False}, {"swar": True, "words": True}
 NO_SWAR = {"swar": False, "words": False}
+NARROW, WORDS_NARROW = {**SWAR, "narrow": 16}, {**WORDS, "narrow": 16}
 
 
 @pytest.mark.parametrize("n,k,kind,scale_max,tuning", [
     (600, 4, "random", None, NO_SWAR), (600, 4, "random", 126, NO_SWAR), (300, 4, "skewed", 126, NO_SWAR),
     (800, 1, "one_expert", None, NO_SWAR), (257, 4, "random", 126, NO_SWAR), (600, 4, "random", None, SWAR),
     (300, 4, "skewed", 126, SWAR), (600, 4, "random", 126, WORDS), (300, 4, "skewed", 126, WORDS),
-    (800, 1, "one_expert", 126, WORDS), (257, 4, "random", None, WORDS)])
+    (800, 1, "one_expert", 126, WORDS), (257, 4, "random", None, WORDS), (600, 4, "random", 126, NARROW),
+    (300, 4, "skewed", None, NARROW), (257, 4, "random", 126, WORDS_NARROW), (800, 1, "one_expert", 126, WORDS_NARROW)])
 def test_compiled_mosaic_gpu_prefill_equals_pure_op(n, k, kind, scale_max, tuning, monkeypatch):
     """The prefill regime on Mosaic GPU (`routed_mgpu`, picked through routed_experts' switch: spied) against
     the pure op, at widths it takes (latent and expert width 256): uneven and empty experts, all pairs on one
     expert (7 tiles of one expert), a token count that leaves a partial tile; with the exact decode and, the
     scale bytes being 118..126, the quick one (scale_max 126); with the nibbles decoded two per 32-bit word
-    (swar), and gate+up's words decode (taken with the quick decode only; set in TUNING for the test)."""
+    (swar), and gate+up's words decode (taken with the quick decode only; set in TUNING for the test); with
+    each tile's wgmmas narrowed to its used slots (narrow)."""
     import test_moe_wgmma as wg_cpu
 
     from kimik3_jax.ops.moe import routed_experts
