@@ -87,8 +87,8 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
                        tile_t: int = 128, x_tk: bool = False, plane_rows: bool = False, transpose_out: bool = False,
                        words: bool = False, tile_used=None, narrow: int = 0, **_):
     """`grouped_mxfp4_matmul_t` in plain JAX (dequantise each tile's expert, fp32 products): the CPU's stand-in
-    for the kernel, and the GPU tests' reference. Unused tiles give zeros; with `narrow`, so do the columns of
-    a tile past its used slots rounded up to `narrow` (the epilogue of zero accumulators there)."""
+    for the kernel, and the GPU tests' reference. Unused tiles give zeros, and so, with `narrow`, do the
+    columns of a tile past its used slots rounded up to `narrow` (both left unwritten by the kernel)."""
     num_experts = packed[0].shape[0]
     tiles = tile_expert.shape[0]
     e = jnp.minimum(tile_expert, num_experts - 1)

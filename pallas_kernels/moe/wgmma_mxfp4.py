@@ -237,21 +237,12 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
             return plgpu.transpose_ref(x_smem.at[pl.ds(0, width), cols], (1, 0))
         return x_smem.at[cols, pl.ds(0, width)]
 
-    def mma(width_idx, acc, a, x_smem, cols):  # over the tile's first widths[width_idx] slots only
-        def issue(width):
-            return lambda: plgpu.wgmma(acc.at[:, pl.ds(0, width)] if width < tile_t else acc, a,
-                                       b_operand(x_smem, cols, width))
-        if len(widths) == 1:
-            issue(tile_t)()
-        else:
-            lax.switch(width_idx, [issue(w) for w in widths])
-
     def factors(s_smem, i, rows):  # scale block i's factor per row, as a [64, 16] WGMMA-layout operand
         s = s_smem[i, rows].astype(jnp.int16)  # [64]: this block's scale per row
         factor = lax.bitcast_convert_type((quick_scale_bits if quick else scale_bits)(s), jnp.bfloat16)
         return lax.broadcast_in_dim(factor, (ROWS_PER_WG, PLANE_STEP), (0,))
 
-    def words_body(width_idx, _, *smem):  # x in `word_order`: 4 wgmmas per 32 bytes a row (`word_steps`)
+    def words_body(width, _, *smem):  # x in `word_order`: 4 wgmmas per 32 bytes a row (`word_steps`)
         w_smem, s_smem, (x_smem,), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
         wg = lax.axis_index("wg")
         for i in range(plane_cols // WORD_BYTES):
@@ -262,11 +253,11 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
                                    *(factors(s_smem[m], 2 * i + b, rows) for b in range(2)))
                     for st, value in enumerate(a):
                         cols = pl.ds((4 * i + st) * PLANE_STEP, PLANE_STEP)
-                        mma(width_idx, accs[j * mats + m], value, x_smem, cols)
+                        plgpu.wgmma(accs[j * mats + m], value, b_operand(x_smem, cols, width))
         plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # the same count of wgmmas a step as `body`
         return accs
 
-    def body(width_idx, _, *smem):
+    def body(width, _, *smem):
         w_smem, s_smem, (xlo_smem, xhi_smem), accs = smem[:mats], smem[mats:2 * mats], smem[2 * mats:-1], smem[-1]
         wg = lax.axis_index("wg")
         for i in range(subs):
@@ -276,16 +267,16 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
                 for m in range(mats):
                     factor = factors(s_smem[m], i, rows)
                     for value, x_smem in zip(planes_of(w_smem[m][rows, cols], swar), (xlo_smem, xhi_smem)):
-                        mma(width_idx, accs[j * mats + m], scaled(value, factor, quick), x_smem, cols)
+                        plgpu.wgmma(accs[j * mats + m], scaled(value, factor, quick), b_operand(x_smem, cols, width))
         plgpu.wgmma_wait(delay * subs * 2 * mats * row_blocks)  # with delay 1, this step's wgmmas may still run
         return accs
 
-    def pipeline_for(n_idx, t_idx):
+    def pipeline_for(n_idx, t_idx, width):  # products over the tile's first `width` slots
         def compute_context(eval_pipeline):
             def scope(*accs):
                 eval_pipeline(accs)
                 wg = lax.axis_index("wg")
-                toks = pl.ds(t_idx * tile_t, tile_t)
+                toks = pl.ds(t_idx * tile_t, width)
                 for j in range(row_blocks):
                     out = epilogue(*(a[...] for a in accs[j * mats:(j + 1) * mats])).astype(out_gmem.dtype)
                     rows = pl.ds(n_idx * n_tile + (j * wgs + wg) * ROWS_PER_WG, ROWS_PER_WG)
@@ -294,7 +285,7 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
                         plgpu.transpose_ref(out_gmem.at[toks, rows], (1, 0))[...] = out
                     else:
                         out_gmem.at[rows, toks][...] = out
-            pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, tile_t), jnp.float32) for _ in range(mats * row_blocks)))
+            pl.run_scoped(scope, *(plgpu.ACC((ROWS_PER_WG, width), jnp.float32) for _ in range(mats * row_blocks)))
 
         w_spec = plgpu.BlockSpec((n_tile, plane_cols), lambda k: (0, k), transforms=W_TRANSFORMS,
                                  delay_release=delay)
@@ -303,9 +294,9 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
         x_spec = plgpu.BlockSpec((tile_t, x_cols) if x_tk else (x_cols, tile_t),
                                  (lambda k: (0, k)) if x_tk else (lambda k: (k, 0)), transforms=X_TRANSFORMS,
                                  delay_release=delay)
-        width_idx = tile_width[t_idx] if len(widths) > 1 else 0
         return plgpu.emit_pipeline_warp_specialized(
-            functools.partial(words_body if words else body, width_idx), grid=(half_k // plane_cols,), memory_registers=40, wg_axis="wg",
+            functools.partial(words_body if words else body, width), grid=(half_k // plane_cols,),
+            memory_registers=40, wg_axis="wg",
             num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context,
             in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * (2 - words))
 
@@ -322,15 +313,21 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
     def run_tile(n_idx, t_idx, **allocations):
         e = tile_expert[t_idx]
 
+        def run(width):  # the same buffers whatever the width: the specs do not depend on it
+            return lambda: pipeline_for(n_idx, t_idx, width)(*operands(e, n_idx, t_idx), **allocations)
+
         @pl.when(e < num_experts)
         def _():
-            pipeline_for(n_idx, t_idx)(*operands(e, n_idx, t_idx), **allocations)
+            if len(widths) == 1:
+                run(tile_t)()
+            else:  # a whole pipeline per width: a wgmma whose accumulator crosses a branch is serialised
+                lax.switch(tile_width[t_idx], [run(w) for w in widths])
 
     if not persistent:
         run_tile(lax.axis_index("n"), lax.axis_index("t"))
         return
     n_blocks, t_tiles = n // n_tile, out_gmem.shape[0 if transpose_out else 1] // tile_t
-    allocs = pipeline_for(0, 0).get_allocations(*operands(0, 0, 0))
+    allocs = pipeline_for(0, 0, tile_t).get_allocations(*operands(0, 0, 0))
 
     def scope(allocations):
         @plgpu.nd_loop((t_tiles, n_blocks), collective_axes="sm")
@@ -382,7 +379,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     wgs: compute warpgroups (2 or 3), each taking 64 rows of a row block (a block: wgs x 64 rows).
     narrow (a multiple of 16, the activation tiles' width, dividing tile_t; 0: off) with tile_used ([T] int32, the slots of each tile that
     hold pairs, a prefix): each tile's wgmmas cover only its first used slots rounded up to `narrow`, chosen per
-    tile among tile_t / narrow static widths; its other columns are the epilogue of zero accumulators.
+    tile among tile_t / narrow static widths (a whole pipeline each, on the same buffers); its other columns are
+    left unwritten, as an unused tile's.
     quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
     nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane. words: the weights
     decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
