@@ -320,7 +320,8 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
         def _():
             if len(widths) == 1:
                 run(tile_t)()
-            else:  # a whole pipeline per width: a wgmma whose accumulator crosses a branch is serialised
+            else:  # a pipeline per width (a width switched at each wgmma, the accumulators carried through
+                # the branches, made gate+up 25% slower on the H100: docs/benchmarks.md, thirty-fifth session)
                 lax.switch(tile_width[t_idx], [run(w) for w in widths])
 
     if not persistent:
