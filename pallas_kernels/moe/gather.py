@@ -54,8 +54,8 @@ def slot_planes(token_planes, tile_expert, slot_token, tile_t: int, num_experts:
                          f"tile_t = {tile_t}")
     rows, cols = _largest_power_of_two_dividing(tile_t, MAX_ROWS), _largest_power_of_two_dividing(half, MAX_COLS)
     if cols < 16:
-        raise ValueError(f"slot_planes: token_planes {token_planes.shape}: its rows ({half}) need a power-of-two "
-                         f"divisor >= 16")
+        raise ValueError(f"slot_planes: token_planes {token_planes.shape}: its row length ({half}) needs a "
+                         f"power-of-two divisor >= 16")
     kernel = functools.partial(_kernel, tokens=tokens, slots=slots, tile_t=tile_t, rows=rows, cols=cols,
                                num_cols=half // cols, num_experts=num_experts)
     out = pl.pallas_call(

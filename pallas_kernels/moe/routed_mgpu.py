@@ -117,10 +117,10 @@ def reference_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, 
 
 class Stages(NamedTuple):
     """The path's steps with one tuning, each a function of arrays (jit them alone to time them alone):
-    tile_t: the dispatch's slots per tile; planes(xl, layout, num_experts) -> [2, S, L/2] (the rows of unused
-    tiles undefined: `gather.slot_planes`); gate_up(layout, planes, experts, beta, linear_beta) -> h^T [F, S]
-    in bf16, rows in plane order; down(layout, h^T, experts) -> y [S, L] fp32 (layout: the dispatch's
-    `BlockLayout`, its tiles' experts and used slots)."""
+    tile_t: the dispatch's slots per tile; planes(xl, layout, num_experts) -> [2, S, L/2] ([1, S, L] in
+    `word_order` with words; the rows of unused tiles undefined: `gather.slot_planes`); gate_up(layout, planes,
+    experts, beta, linear_beta) -> h^T [F, S] in bf16, rows in plane order; down(layout, h^T, experts) -> y
+    [S, L] fp32 (layout: the dispatch's `BlockLayout`, its tiles' experts and used slots)."""
     tile_t: int
     planes: Callable
     gate_up: Callable
@@ -171,7 +171,7 @@ def routed_experts_mgpu(xl, idx, weights, experts, beta, linear_beta, *, tuning=
     num_experts = experts.w1_packed.shape[0]
     path = stages(tuning, pairs=n * k, num_experts=num_experts, scale_max=scale_max, matmul_t=matmul_t)
     layout = dsp.block_layout(idx, weights, num_experts, path.tile_t)
-    planes = path.planes(xl, layout, num_experts)  # [2, S, L/2]: a row gather of the used tiles
+    planes = path.planes(xl, layout, num_experts)  # [2, S, L/2] (words: [1, S, L]): a row gather of the used tiles
     h_t = path.gate_up(layout, planes, experts, beta, linear_beta)  # [F, S] = down's planes [2, F/2, S]
     y = path.down(layout, h_t, experts)  # [S, L] fp32
     return dsp.combine(y, layout, n, k, weighted=False)

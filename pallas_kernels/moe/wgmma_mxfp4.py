@@ -31,8 +31,8 @@ How the decode avoids any register shuffles (offline lowering on jax 0.10.2, 202
 
 `words` (2026-12-07) decodes instead with the Triton decoder's asm1r PTX on 32-bit words, each thread's word
 giving exactly its registers of four wgmmas (no moves), the activations permuted to match (`word_order`): the
-gate+up kernel 2% faster at prefill counts, and at decode counts no faster than the Triton decode kernels
-(docs/benchmarks.md, thirty-fourth session).
+gate+up kernel 1-2% faster at prefill counts but the whole routed path no faster (thirty-fifth session), and at
+decode counts slower than the Triton decode kernels (docs/benchmarks.md, thirty-fourth session).
 
 Grouped over experts (`grouped_mxfp4_matmul_t`: each token tile's expert from the dispatch's table), it is the
 prefill regime of `pallas_kernels/moe/routed_mgpu.py` (the default: `routed.PREFILL_KERNELS = "mgpu"`). The
@@ -223,7 +223,8 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
             epilogue, persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int,
             quick: bool, swar: bool, words: bool, wgs: int, widths: tuple):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
-    out[n_tile rows, tile_t] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices). One tile
+    out[n_tile rows, w] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices), over the
+    tile's first w = widths[tile_width[t]] slots (tile_t unless narrowed: read only with several widths). One tile
     per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
     pipeline buffers, so that a tile's first loads overlap the previous tile's epilogue."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
@@ -296,8 +297,8 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
                                  delay_release=delay)
         return plgpu.emit_pipeline_warp_specialized(
             functools.partial(words_body if words else body, width), grid=(half_k // plane_cols,),
-            memory_registers=40, wg_axis="wg",
-            num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context,
+            memory_registers=40, wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
+            compute_context=compute_context,
             in_specs=[w_spec] * mats + [s_spec] * mats + [x_spec] * (2 - words))
 
     def operands(e, n_idx, t_idx):
@@ -378,10 +379,10 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     row_blocks: row blocks per tile (each compute warpgroup holds mats x row_blocks accumulators), so that
     each activation tile in shared memory feeds more rows (2 for one matrix: as many accumulators as w1+w3).
     wgs: compute warpgroups (2 or 3), each taking 64 rows of a row block (a block: wgs x 64 rows).
-    narrow (a multiple of 16, the activation tiles' width, dividing tile_t; 0: off) with tile_used ([T] int32, the slots of each tile that
-    hold pairs, a prefix): each tile's wgmmas cover only its first used slots rounded up to `narrow`, chosen per
-    tile among tile_t / narrow static widths (a whole pipeline each, on the same buffers); its other columns are
-    left unwritten, as an unused tile's.
+    narrow (a multiple of 16, the activation tiles' width, dividing tile_t; 0: off) with tile_used ([T] int32,
+    the slots of each tile that hold pairs, a prefix): each tile's wgmmas cover only its first used slots
+    rounded up to `narrow`, chosen per tile among tile_t / narrow static widths (a whole pipeline each, on the
+    same buffers); its other columns are left unwritten, as an unused tile's.
     quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
     nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane. words: the weights
     decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
