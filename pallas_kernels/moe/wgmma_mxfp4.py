@@ -219,14 +219,15 @@ def scaled(value, factor, quick: bool = False):
     return value * factor
 
 
-def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int,
+def _kernel(tile_expert, tile_width, tile_order, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int,
             epilogue, persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int,
             quick: bool, swar: bool, words: bool, wgs: int, widths: tuple):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[n_tile rows, w] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices), over the
     tile's first w = widths[tile_width[t]] slots (tile_t unless narrowed: read only with several widths). One tile
-    per program, or (persistent) one program per SM looping over the tiles, n blocks fastest, with one set of
-    pipeline buffers, so that a tile's first loads overlap the previous tile's epilogue."""
+    per program, or (persistent) one program per SM looping over the tiles in tile_order's order, n blocks
+    fastest, with one set of pipeline buffers, so that a tile's first loads overlap the previous tile's
+    epilogue."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
     n_tile = wgs * ROWS_PER_WG * row_blocks  # rows per tile: each of the wgs compute warpgroups takes 64 of a block
     num_experts, half_k = w_gmem[0].shape[0], w_gmem[0].shape[-1]
@@ -311,7 +312,8 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
         x_tiles = tuple(x_gmem.at[p, toks] if x_tk else x_gmem.at[p, :, toks] for p in range(2 - words))
         return (*(w.at[e].at[w_rows] for w in w_gmem), *(sc.at[e].at[:, rows] for sc in s_gmem), *x_tiles)
 
-    def run_tile(n_idx, t_idx, **allocations):
+    def run_tile(n_idx, t_pos, **allocations):
+        t_idx = tile_order[t_pos]
         e = tile_expert[t_idx]
 
         def run(width):  # the same buffers whatever the width: the specs do not depend on it
@@ -334,8 +336,8 @@ def _kernel(tile_expert, tile_width, *refs, mats: int, tile_t: int, plane_cols: 
     def scope(allocations):
         @plgpu.nd_loop((t_tiles, n_blocks), collective_axes="sm")
         def _(info):
-            t_idx, n_idx = info.index
-            run_tile(n_idx, t_idx, allocations=allocations)
+            t_pos, n_idx = info.index
+            run_tile(n_idx, t_pos, allocations=allocations)
     pl.run_scoped(scope, allocs, collective_axes="wg")
 
 
@@ -382,7 +384,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     narrow (a multiple of 16, the activation tiles' width, dividing tile_t; 0: off) with tile_used ([T] int32,
     the slots of each tile that hold pairs, a prefix): each tile's wgmmas cover only its first used slots
     rounded up to `narrow`, chosen per tile among tile_t / narrow static widths (a whole pipeline each, on the
-    same buffers); its other columns are left unwritten, as an unused tile's.
+    same buffers); its other columns are left unwritten, as an unused tile's. The tiles then run widest first,
+    so that an SM runs one width's code for many tiles in a row, and the last tiles are the shortest.
     quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
     nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane. words: the weights
     decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
@@ -419,6 +422,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     widths = tuple(range(narrow, tile_t + 1, narrow)) if narrow else (tile_t,)
     width_idx = (jnp.clip((tile_used + narrow - 1) // narrow - 1, 0, len(widths) - 1).astype(jnp.int32) if narrow
                  else jnp.zeros((t // tile_t,), jnp.int32))
+    order = (jnp.argsort(-width_idx, stable=True).astype(jnp.int32) if narrow  # widest first
+             else jnp.arange(t // tile_t, dtype=jnp.int32))
     x_shape = (1, 2 * half_k) if words else (2, half_k)  # [planes, k per plane]
     want = (x_shape[0], t, x_shape[1]) if x_tk else (*x_shape, t)
     if planes.shape != want or tile_expert.shape != (t // tile_t,):
@@ -442,7 +447,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
         kernel, out_type=jax.ShapeDtypeStruct((t, n) if transpose_out else (n, t), out_dtype), grid=grid,
         grid_names=names, num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(tile_expert.astype(jnp.int32), width_idx, *packed, *scales_t, planes)
+    )(tile_expert.astype(jnp.int32), width_idx, order, *packed, *scales_t, planes)
 
 
 def mxfp4_matmul(packed, scales_t, planes, *, tile_t: int = 128, **options):
