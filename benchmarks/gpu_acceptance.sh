@@ -3,12 +3,13 @@
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmpr (default 1234), e.g. "13", "25", "4"
-# Next (docs/benchmarks.md, "Still to run"): on an H200, "4" (the issue's MoE table with its XLA peers, which need
-# more than 80 GB; its Mosaic GPU rows: the whole prefill against 450 TFLOP/s), then "0" and "p" (the KDA decode
-# against fla and the copy bandwidth of the same run; the state kernel's tunings), and on any card the prefill's
-# tail tiles narrowed with fewer pipeline copies (docs: "Still to run", item 2). Done 2026-12-07 (thirty-fifth
-# session, H100): probe_mgpu_routed.py with words (whole path 40.79 against 40.85 ms: no gain) and narrow (gate+up
-# 30.0 against 26.0 ms: slower), tests/gpu/test_moe_gpu.py -k mosaic_gpu_prefill (15 passed, the first narrow
+# Next (docs/benchmarks.md, "Still to run"): on any card, the narrow GPU tests and probes with the tiles run widest
+# first (item 1 there: not yet run on a GPU); on an H200, "4" with narrow if it wins. Done 2026-12-07
+# (thirty-sixth session, H200): "4" with --no-sweep (prefill kernels 471 / 471 TFLOP/s, whole 446; decode at 16
+# tokens 59% / 64% of copy), the KDA decode against fla (3.07 / 3.29 TB/s at N = 32 / 256), "p" (the default
+# best), narrow's copies counted (about 0.35 ms each), tests/gpu/test_moe_gpu.py's narrow cases (3 passed).
+# Done 2026-12-07 (thirty-fifth session, H100): probe_mgpu_routed.py with words (whole path 40.79 against 40.85
+# ms: no gain) and narrow (gate+up 30.0 against 26.0 ms: slower), tests/gpu/test_moe_gpu.py -k mosaic_gpu_prefill (15 passed, the first narrow
 # build; one narrow case with the kept one). Done 2026-12-07 (thirty-fourth session, H100):
 # tests/gpu/probe_mgpu_words.py (Mosaic GPU's words decode: 1.3x slower than the Triton gate+up decode at 16
 # tokens, its gate+up kernel 2% faster at 16384), tests/gpu/test_moe_gpu.py -k mosaic (12 passed). Done 2026-12-07
