@@ -4,38 +4,40 @@
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmpr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): on any card, the narrow GPU tests and probes with the tiles run widest
-# first (item 1 there: not yet run on a GPU); on an H200, "4" with narrow if it wins. Done 2026-12-07
-# (thirty-sixth session, H200): "4" with --no-sweep (prefill kernels 471 / 471 TFLOP/s, whole 446; decode at 16
-# tokens 59% / 64% of copy), the KDA decode against fla (3.07 / 3.29 TB/s at N = 32 / 256), "p" (the default
-# best), narrow's copies counted (about 0.35 ms each), tests/gpu/test_moe_gpu.py's narrow cases (3 passed).
-# Done 2026-12-07 (thirty-fifth session, H100): probe_mgpu_routed.py with words (whole path 40.79 against 40.85
-# ms: no gain) and narrow (gate+up 30.0 against 26.0 ms: slower), tests/gpu/test_moe_gpu.py -k mosaic_gpu_prefill (15 passed, the first narrow
-# build; one narrow case with the kept one). Done 2026-12-07 (thirty-fourth session, H100):
-# tests/gpu/probe_mgpu_words.py (Mosaic GPU's words decode: 1.3x slower than the Triton gate+up decode at 16
-# tokens, its gate+up kernel 2% faster at 16384), tests/gpu/test_moe_gpu.py -k mosaic (12 passed). Done 2026-12-07
-# (thirty-third session, H100): tests/gpu/probe_moe_kwidth.py (kWidth 2 for the gate+up decode: 1.95x slower), the Mosaic GPU
-# gate+up tile widths (probe_mgpu_routed.py, MGPU_GATE_UP_ONLY=1: 5.0 us a tile + 56 ns a column). Done 2026-12-07 (thirty-first
-# session, H100): the asm1s decode on re-laid words swept (branch exp/moe-shuffle; gate+up 2-8% faster, not
-# kept), tests/gpu/probe_moe_permute.py (x's permutation fuses into the latent projection). Done 2026-12-07
-# (thirtieth session, H100): the MoE gate+up tiles swept with asm1r and serial K loops tried (none faster),
-# tests/gpu/test_moe_gpu.py at main (85 passed). Done 2026-12-07 (twenty-ninth session, H100): asm1r made the
-# model's decode (Nsight Compute; tests/gpu/test_moe_gpu.py -k "asm1r or switch": 12 passed), "4" with it (down
-# 2.60 TB/s at 16 tokens, 85.8% of copy). Done 2026-12-06 (twenty-eighth session, H100): Nsight Compute's stall
-# sampling of the MoE decode kernels (tests/gpu/probe_ncu.py M, now with the model's decode), "6"-style sweeps of
-# two decodes (not kept). Done 2026-12-06 (twenty-seventh session, H100): "4" with the model's decode
-# (asm1-unchecked) and ARGS_4=--no-sweep, "6" with four swap shapings and k_sub (all slower). Done 2026-12-06
-# (twenty-fifth session, H100): "k".
-# Done 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes
-# kernel 41.03 ms, 422 TFLOP/s, at 16384 tokens), "4" (kernels 454 / 451 TFLOP/s, whole 424), "d" (the Mosaic GPU
-# path 0.55-0.69x the Triton decode), the glue probe (tests/gpu/probe_moe_glue.py). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests
-# passed; 0.90x / 0.96x fla). Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's
-# bytes), "r"'s tests (8 passed, the layer-level test included). Done 2026-12-06 (twenty-first session): "r"
-# (H100: 7 tests passed; quick + swar 1.30x the Triton path: the prefill default now), "m" and "4" (H200: quick/swar right over bytes 0..128; 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r"
-# (glue 27 -> 12 ms, down's 2 row blocks: 1.14-1.20x the Triton path). Done 2026-12-05 (eighteenth session, H200): "r" (right; 0.85x the Triton path, the glue), "8" (2.41 TB/s, 56% of
-# copy: issue-bound), "0" (split default). Done 2026-12-05 (seventeenth session, H100): "0" (split decode, now the default from
-# N = 32), "c" (the checkpoint branch: slower, reverted), "m" (the one-expert Mosaic GPU GEMM: right, 361 TFLOP/s).
-# Done 2026-12-05 on an H100 (sixteenth session): "2" (prefill target met with both peers), "6" (MoE swap
-# candidates: no gain). "1" is the KDA tests (all 37 passed in 313 s on a cold H200, 2026-12-05).
+# first (item 1 there: not yet run on a GPU); on an H200, "4" with narrow if it wins. Done 2026-12-07 (thirty-sixth
+# session, H200): "4" with --no-sweep (prefill kernels 471 / 471 TFLOP/s, whole 446; decode at 16 tokens 59% / 64% of
+# copy), the KDA decode against fla (3.07 / 3.29 TB/s at N = 32 / 256), "p" (the default best), narrow's copies
+# counted (about 0.35 ms each), tests/gpu/test_moe_gpu.py's narrow cases (3 passed). Done 2026-12-07 (thirty-fifth
+# session, H100): probe_mgpu_routed.py with words (whole path 40.79 against 40.85 ms: no gain) and narrow (gate+up
+# 30.0 against 26.0 ms: slower), tests/gpu/test_moe_gpu.py -k mosaic_gpu_prefill (15 passed, the first narrow build;
+# one narrow case with the kept one). Done 2026-12-07 (thirty-fourth session, H100): tests/gpu/probe_mgpu_words.py
+# (Mosaic GPU's words decode: 1.3x slower than the Triton gate+up decode at 16 tokens, its gate+up kernel 2% faster at
+# 16384), tests/gpu/test_moe_gpu.py -k mosaic (12 passed). Done 2026-12-07 (thirty-third session, H100):
+# tests/gpu/probe_moe_kwidth.py (kWidth 2 for the gate+up decode: 1.95x slower), the Mosaic GPU gate+up tile widths
+# (probe_mgpu_routed.py, MGPU_GATE_UP_ONLY=1: 5.0 us a tile + 56 ns a column). Done 2026-12-07 (thirty-first session,
+# H100): the asm1s decode on re-laid words swept (branch exp/moe-shuffle; gate+up 2-8% faster, not kept),
+# tests/gpu/probe_moe_permute.py (x's permutation fuses into the latent projection). Done 2026-12-07 (thirtieth
+# session, H100): the MoE gate+up tiles swept with asm1r and serial K loops tried (none faster),
+# tests/gpu/test_moe_gpu.py at main (85 passed). Done 2026-12-07 (twenty-ninth session, H100): asm1r made the model's
+# decode (Nsight Compute; tests/gpu/test_moe_gpu.py -k "asm1r or switch": 12 passed), "4" with it (down 2.60 TB/s at
+# 16 tokens, 85.8% of copy). Done 2026-12-06 (twenty-eighth session, H100): Nsight Compute's stall sampling of the MoE
+# decode kernels (tests/gpu/probe_ncu.py M, now with the model's decode), "6"-style sweeps of two decodes (not kept).
+# Done 2026-12-06 (twenty-seventh session, H100): "4" with the model's decode (asm1-unchecked) and ARGS_4=--no-sweep,
+# "6" with four swap shapings and k_sub (all slower). Done 2026-12-06 (twenty-fifth session, H100): "k". Done
+# 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes kernel 41.03 ms, 422 TFLOP/s, at
+# 16384 tokens), "4" (kernels 454 / 451 TFLOP/s, whole 424), "d" (the Mosaic GPU path 0.55-0.69x the Triton decode),
+# the glue probe (tests/gpu/probe_moe_glue.py). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t
+# 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests passed; 0.90x / 0.96x fla).
+# Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's bytes), "r"'s
+# tests (8 passed, the layer-level test included). Done 2026-12-06 (twenty-first session): "r" (H100: 7 tests passed;
+# quick + swar 1.30x the Triton path: the prefill default now), "m" and "4" (H200: quick/swar right over bytes 0..128;
+# 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r" (glue 27 -> 12 ms, down's 2 row
+# blocks: 1.14-1.20x the Triton path). Done 2026-12-05 (eighteenth session, H200): "r" (right; 0.85x the Triton path,
+# the glue), "8" (2.41 TB/s, 56% of copy: issue-bound), "0" (split default). Done 2026-12-05 (seventeenth session,
+# H100): "0" (split decode, now the default from N = 32), "c" (the checkpoint branch: slower, reverted), "m" (the
+# one-expert Mosaic GPU GEMM: right, 361 TFLOP/s). Done 2026-12-05 on an H100 (sixteenth session): "2" (prefill target
+# met with both peers), "6" (MoE swap candidates: no gain). "1" is the KDA tests (all 37 passed in 313 s on a cold
+# H200, 2026-12-05).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (steps 0 and r: LIMIT_0a and
 # LIMIT_ra for their tests, LIMIT_0b and LIMIT_r for the rest); step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
