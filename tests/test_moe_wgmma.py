@@ -225,6 +225,25 @@ def test_tile_slots_takes_the_fewest_tiles_that_cover_a_group():
     assert rm.stages({"tile_t": 128}).tile_t == 128
 
 
+def test_tile_widths_cover_each_tiles_used_slots_and_run_widest_first():
+    """`tile_widths`: each tile's width is the fewest multiples of `narrow` covering its used slots (an unused
+    tile the narrowest), and the order of work is a permutation running the widths down, in tile order within
+    a width; without narrow, one width and the tiles in order."""
+    used = np.random.default_rng(7).integers(0, 161, 40)
+    used[:3] = (0, 160, 1)
+    widths, idx, order = wg.tile_widths(jnp.asarray(used, jnp.int32), 32, 160, 40)
+    w = np.asarray(widths)[np.asarray(idx)]
+    assert widths == (32, 64, 96, 128, 160)
+    assert (w >= used).all() and (w - 32 < np.maximum(used, 1)).all()
+    order = np.asarray(order)
+    assert sorted(order.tolist()) == list(range(40))
+    assert (np.diff(w[order]) <= 0).all()
+    for width in widths:  # stable: by position within a width
+        assert (np.diff(order[w[order] == width]) > 0).all()
+    widths, idx, order = wg.tile_widths(None, 0, 160, 5)
+    assert widths == (160,) and not np.asarray(idx).any() and np.asarray(order).tolist() == list(range(5))
+
+
 def test_reference_matmul_t_equals_dequantised_product_and_skips_unused_tiles():
     rng = np.random.default_rng(11)
     e, n, k, tile = 3, 32, 64, 8

@@ -219,15 +219,15 @@ def scaled(value, factor, quick: bool = False):
     return value * factor
 
 
-def _kernel(tile_expert, tile_width, tile_order, *refs, mats: int, tile_t: int, plane_cols: int, stages: int, delay: int,
-            epilogue, persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int,
+def _kernel(tile_expert, tile_width, tile_order, *refs, mats: int, tile_t: int, plane_cols: int, stages: int,
+            delay: int, epilogue, persistent: bool, x_tk: bool, plane_rows: bool, transpose_out: bool, row_blocks: int,
             quick: bool, swar: bool, words: bool, wgs: int, widths: tuple):
     """Tile (n block, token tile): the tile's expert e = tile_expert[t] (E for an unused tile: skipped),
     out[n_tile rows, w] = epilogue(W_m[e] rows @ x tile^T for each of the `mats` weight matrices), over the
-    tile's first w = widths[tile_width[t]] slots (tile_t unless narrowed: read only with several widths). One tile
-    per program, or (persistent) one program per SM looping over the tiles in tile_order's order, n blocks
-    fastest, with one set of pipeline buffers, so that a tile's first loads overlap the previous tile's
-    epilogue."""
+    tile's first w = widths[tile_width[t]] slots (tile_t unless narrowed: tile_width and tile_order are read only
+    with several widths). One tile per program, or (persistent) one program per SM looping over the tiles (in
+    tile_order's order), n blocks fastest, with one set of pipeline buffers, so that a tile's first loads
+    overlap the previous tile's epilogue."""
     w_gmem, s_gmem, (x_gmem, out_gmem) = refs[:mats], refs[mats:2 * mats], refs[2 * mats:]
     n_tile = wgs * ROWS_PER_WG * row_blocks  # rows per tile: each of the wgs compute warpgroups takes 64 of a block
     num_experts, half_k = w_gmem[0].shape[0], w_gmem[0].shape[-1]
@@ -313,7 +313,7 @@ def _kernel(tile_expert, tile_width, tile_order, *refs, mats: int, tile_t: int, 
         return (*(w.at[e].at[w_rows] for w in w_gmem), *(sc.at[e].at[:, rows] for sc in s_gmem), *x_tiles)
 
     def run_tile(n_idx, t_pos, **allocations):
-        t_idx = tile_order[t_pos]
+        t_idx = t_pos if len(widths) == 1 else tile_order[t_pos]
         e = tile_expert[t_idx]
 
         def run(width):  # the same buffers whatever the width: the specs do not depend on it
@@ -361,6 +361,18 @@ def token_words(x):
     return jnp.take(x, jnp.asarray(word_order(x.shape[1]), jnp.int32), axis=1)[None]
 
 
+def tile_widths(tile_used, narrow: int, tile_t: int, tiles: int):
+    """The kernel's widths for `narrow` (0: the one width tile_t), each tile's index among them (the fewest
+    columns covering its used slots; an unused tile the narrowest) and the tiles' order of work: widest
+    first, stable, so that an SM runs one width's code for many tiles in a row and the loop ends on the
+    shortest tiles."""
+    if not narrow:
+        return (tile_t,), jnp.zeros((tiles,), jnp.int32), jnp.arange(tiles, dtype=jnp.int32)
+    widths = tuple(range(narrow, tile_t + 1, narrow))
+    width_idx = jnp.clip((tile_used + narrow - 1) // narrow - 1, 0, len(widths) - 1).astype(jnp.int32)
+    return widths, width_idx, jnp.argsort(-width_idx, stable=True).astype(jnp.int32)
+
+
 def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=None, out_dtype=jnp.float32,
                           tile_t: int = 128, plane_cols: int = 64, stages: int = 4, delay: int = 0,
                           persistent: bool = False, sms: int | None = None, x_tk: bool = False,
@@ -384,8 +396,8 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     narrow (a multiple of 16, the activation tiles' width, dividing tile_t; 0: off) with tile_used ([T] int32,
     the slots of each tile that hold pairs, a prefix): each tile's wgmmas cover only its first used slots
     rounded up to `narrow`, chosen per tile among tile_t / narrow static widths (a whole pipeline each, on the
-    same buffers); its other columns are left unwritten, as an unused tile's. The tiles then run widest first,
-    so that an SM runs one width's code for many tiles in a row, and the last tiles are the shortest.
+    same buffers); its other columns are left unwritten, as an unused tile's. The tiles then run widest first
+    (`tile_widths`).
     quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
     nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane. words: the weights
     decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
@@ -419,11 +431,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     if narrow and (narrow % 16 or tile_t % narrow or tile_used is None or tile_used.shape != (t // tile_t,)):
         raise ValueError(f"mxfp4_matmul: narrow = {narrow} must be a multiple of 16 dividing tile_t = {tile_t}, with "
                          f"tile_used [{t // tile_t}] (got {None if tile_used is None else tile_used.shape})")
-    widths = tuple(range(narrow, tile_t + 1, narrow)) if narrow else (tile_t,)
-    width_idx = (jnp.clip((tile_used + narrow - 1) // narrow - 1, 0, len(widths) - 1).astype(jnp.int32) if narrow
-                 else jnp.zeros((t // tile_t,), jnp.int32))
-    order = (jnp.argsort(-width_idx, stable=True).astype(jnp.int32) if narrow  # widest first
-             else jnp.arange(t // tile_t, dtype=jnp.int32))
+    widths, width_idx, order = tile_widths(tile_used, narrow, tile_t, t // tile_t)
     x_shape = (1, 2 * half_k) if words else (2, half_k)  # [planes, k per plane]
     want = (x_shape[0], t, x_shape[1]) if x_tk else (*x_shape, t)
     if planes.shape != want or tile_expert.shape != (t // tile_t,):
