@@ -9,7 +9,12 @@
 set -eu
 JAX_VERSION=${JAX_VERSION:-0.11.2}
 VENV=${VENV:-/tmp/v312}
-PYTHON312=${PYTHON312:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python)}
+if [ -z "${PYTHON312:-}" ]; then  # the first that runs (pyenv's shim may exist without the version selected)
+  for c in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python; do
+    if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then PYTHON312=$c; break; fi
+  done
+fi
+[ -n "${PYTHON312:-}" ] || { echo "no Python 3.12 found: set PYTHON312" >&2; exit 1; }
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON312" -m venv "$VENV"
   "$VENV/bin/pip" install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"
