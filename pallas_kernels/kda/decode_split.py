@@ -47,15 +47,18 @@ def _prologue_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, g_
 def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids):
     t, n, h = ids()
     dk = s_ref.shape[-2]
-    slot = slots_ref[n]
     cols = pl.ds(t * bv, bv)
-    s0 = s_ref[slot, h, :, cols]
+    # Every load before the state's, which waits on its slot: each is then issued at the start, its latency
+    # under the slot's and the state's. Read where they were used (beta a reduction over its row, the row's
+    # length just before the state's store), the program waited on memory three times in turn (offline SASS).
+    slot, active = slots_ref[n], lens_ref[n] > 0
     q, k, g = pre_ref[n, h, 0, :], pre_ref[n, h, 1, :], pre_ref[n, h, 3, :]
+    beta = pre_ref[n, h, 4, 0]  # the row holds beta K times
+    s0 = s_ref[slot, h, :, cols]
     v = pre_ref[n, h, 2, cols]
-    beta = jnp.max(pre_ref[n, h, 4, :])  # the row holds beta K times
     s, o_raw[n, h, cols] = state_step(s0, q, k, v, g, beta)
     # an inactive row (g = 0, beta = 0) leaves its state as it is: not written at all
-    plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(lens_ref[n] > 0, (dk, bv)))
+    plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, bv)))
 
 
 def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tuning, interpret, lower_bound,
