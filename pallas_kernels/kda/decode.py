@@ -38,6 +38,7 @@ from pallas_kernels.kda.common import compiler_params
 from pallas_kernels.kda.decode_parts import conv as _conv
 from pallas_kernels.kda.decode_parts import gated_norm as _gated_norm
 from pallas_kernels.kda.decode_parts import grid as _grid
+from pallas_kernels.kda.decode_parts import gate_inputs as _gate_inputs
 from pallas_kernels.kda.decode_parts import head_inputs as _head_inputs
 from pallas_kernels.kda.decode_parts import head_prologue as _head_prologue
 from pallas_kernels.kda.decode_parts import state_step as _state_step
@@ -78,11 +79,12 @@ def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_re
     # value columns in 2 or 4 blocks one after another, the next block's load issued before this one's store,
     # was slower: 131.0 / 164.6 against 130.7 us at N = 32 (2026-12-05).
     s0 = s_ref[slot, h, :, :]
+    nw, gate_row = nw_ref[...], gate_ref[n, h, :]  # here, not behind the norm's barriers (offline SASS)
     q, k, v, g, beta, tails = _head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_out.dtype,
                                            slot=slot, n=n, h=h, dk=dk, active=active, lower_bound=lower_bound,
                                            gate=gate, qk_norm=qk_norm)
     s, o = _state_step(s0, q, k, v, g, beta)
-    o_ref[n, h, :] = _gated_norm(o, nw_ref, gate_ref[n, h, :], eps).astype(o_ref.dtype)
+    o_ref[n, h, :] = _gated_norm(o, nw, gate_row, eps).astype(o_ref.dtype)
     plt.store(s_out.at[slot, h, :, :], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, dv)))
     for j, r, t in tails:  # after every load (the pools may alias)
         tails_out[row, j, r, cs] = t
@@ -114,8 +116,9 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
             tails_out[slot, j, r, chans] = jnp.where(keep, hist[r + 1], hist[r]).astype(tails_out.dtype)
 
     s0 = s_ref[slot, h, :, cols]  # first, and every store last, as in the whole-V kernel
+    raw = _gate_inputs(g_ref, b_ref, alog_ref, n, h, gate)
     (q, hq), (k, hk), (v, hv) = conv(0, cs, dk), conv(1, cs, dk), conv(2, vs, bv)
-    q, k, g, beta = _head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
+    q, k, g, beta = _head_prologue(q, k, raw, active, lower_bound, gate, qk_norm)
     s, o_raw[n, h, cols] = _state_step(s0, q, k, v, g, beta)  # the read is un-normed fp32
     # Publish: every thread's stores (and loads) come before the CTA barrier, which comes before the counter's
     # atomic add (acquire-release, GPU scope: the grid-sync pattern). The interpreter runs programs one by one.
@@ -132,7 +135,7 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     @pl.when(done == dv // bv - 1)
     def _last():  # every tile of the head has stored its output slice and has read the q/k tails
         o = plt.load(o_raw.at[n, h, :], volatile=True)  # the other tiles' slices from L2, not a stale L1 line
-        o_ref[n, h, :] = _gated_norm(o, nw_ref, gate_ref[n, h, :], eps).astype(o_ref.dtype)
+        o_ref[n, h, :] = _gated_norm(o, nw_ref[...], gate_ref[n, h, :], eps).astype(o_ref.dtype)
         store_tails(0, cs, hq, dk)
         store_tails(1, cs, hk, dk)
 

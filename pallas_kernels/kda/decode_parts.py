@@ -20,26 +20,34 @@ def grid(nb: int, nh: int, heads_fastest: bool, tiles: tuple = ()):
     return tiles + (nb, nh), lambda: tuple(pl.program_id(i) for i in range(k + 2))
 
 
-def head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm):
-    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head);
-    an inactive row gets g = 0 and beta = 0 (its state stays as it is)."""
+def gate_inputs(g_ref, b_ref, alog_ref, n, h, gate):
+    """One (sequence, head)'s raw gate row, beta and (with the gate on) A_log, loaded: a kernel calls this
+    before its conv, so that these loads are issued at its start rather than behind the q/k norms' barriers
+    (where the offline SASS had them, each a memory latency in turn)."""
+    return g_ref[n, h, :], b_ref[n, h], alog_ref[h] if gate else None
+
+
+def head_prologue(q, k, raw, active, lower_bound, gate, qk_norm):
+    """The q/k L2 norm (q also scaled by K^-1/2), the lower-bound gate and beta of one (sequence, head) from
+    its `gate_inputs`; an inactive row gets g = 0 and beta = 0 (its state stays as it is)."""
     f32 = jnp.float32
     dk = q.shape[0]
+    g, beta, a_log = raw
     if qk_norm:
         q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
         k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-    g = g_ref[n, h, :].astype(f32)
+    g = g.astype(f32)
     if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(a_log.astype(f32)) * g)
     g = jnp.where(active, g, 0.0)
-    beta = jnp.where(active, b_ref[n, h].astype(f32), 0.0)
+    beta = jnp.where(active, beta.astype(f32), 0.0)
     return q, k, g, beta
 
 
-def gated_norm(o, nw_ref, gate_row, eps):
+def gated_norm(o, nw, gate_row, eps):
     """The output's RMSNorm over V (weight nw) times sigmoid(gate), in fp32."""
     f32 = jnp.float32
-    o = o * jax.lax.rsqrt(jnp.sum(o * o) / o.shape[-1] + eps) * nw_ref[...].astype(f32)
+    o = o * jax.lax.rsqrt(jnp.sum(o * o) / o.shape[-1] + eps) * nw.astype(f32)
     return o * jax.nn.sigmoid(gate_row.astype(f32))
 
 
@@ -63,13 +71,14 @@ def head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_dtype, *
     width = w_ref.shape[-1]
     chans = pl.ds(h * dk, dk)
     keep = jnp.broadcast_to(active, (dk,))
+    raw = gate_inputs(g_ref, b_ref, alog_ref, n, h, gate)
     ys, tails = [], []
     for j in range(3):
         y, hist = conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, dk)
         ys.append(y)
         tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_dtype)) for r in range(width - 1)]
     q, k, v = ys
-    q, k, g, beta = head_prologue(q, k, g_ref, b_ref, alog_ref, n, h, active, lower_bound, gate, qk_norm)
+    q, k, g, beta = head_prologue(q, k, raw, active, lower_bound, gate, qk_norm)
     return q, k, v, g, beta, tails
 
 
