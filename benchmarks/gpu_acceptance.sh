@@ -2,42 +2,11 @@
 # The GPU acceptance run of issues 6 and 7 (KDA and MoE kernels), in priority order, each step under its
 # own time limit so that one slow step cannot take the others' time. Run on the device machine from the
 # repository root, with the peer wheels in .whl/ (carried):
-#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmpr (default 1234), e.g. "13", "25", "4"
-# Next (docs/benchmarks.md, "Still to run"): on any card, the narrow GPU tests and probes with the tiles run widest
-# first (item 1 there: not yet run on a GPU); on an H200, "4" with narrow if it wins. Done 2026-12-07 (thirty-sixth
-# session, H200): "4" with --no-sweep (prefill kernels 471 / 471 TFLOP/s, whole 446; decode at 16 tokens 59% / 64% of
-# copy), the KDA decode against fla (3.07 / 3.29 TB/s at N = 32 / 256), "p" (the default best), narrow's copies
-# counted (about 0.35 ms each), tests/gpu/test_moe_gpu.py's narrow cases (3 passed). Done 2026-12-07 (thirty-fifth
-# session, H100): probe_mgpu_routed.py with words (whole path 40.79 against 40.85 ms: no gain) and narrow (gate+up
-# 30.0 against 26.0 ms: slower), tests/gpu/test_moe_gpu.py -k mosaic_gpu_prefill (15 passed, the first narrow build;
-# one narrow case with the kept one). Done 2026-12-07 (thirty-fourth session, H100): tests/gpu/probe_mgpu_words.py
-# (Mosaic GPU's words decode: 1.3x slower than the Triton gate+up decode at 16 tokens, its gate+up kernel 2% faster at
-# 16384), tests/gpu/test_moe_gpu.py -k mosaic (12 passed). Done 2026-12-07 (thirty-third session, H100):
-# tests/gpu/probe_moe_kwidth.py (kWidth 2 for the gate+up decode: 1.95x slower), the Mosaic GPU gate+up tile widths
-# (probe_mgpu_routed.py, MGPU_GATE_UP_ONLY=1: 5.0 us a tile + 56 ns a column). Done 2026-12-07 (thirty-first session,
-# H100): the asm1s decode on re-laid words swept (branch exp/moe-shuffle; gate+up 2-8% faster, not kept),
-# tests/gpu/probe_moe_permute.py (x's permutation fuses into the latent projection). Done 2026-12-07 (thirtieth
-# session, H100): the MoE gate+up tiles swept with asm1r and serial K loops tried (none faster),
-# tests/gpu/test_moe_gpu.py at main (85 passed). Done 2026-12-07 (twenty-ninth session, H100): asm1r made the model's
-# decode (Nsight Compute; tests/gpu/test_moe_gpu.py -k "asm1r or switch": 12 passed), "4" with it (down 2.60 TB/s at
-# 16 tokens, 85.8% of copy). Done 2026-12-06 (twenty-eighth session, H100): Nsight Compute's stall sampling of the MoE
-# decode kernels (tests/gpu/probe_ncu.py M, now with the model's decode), "6"-style sweeps of two decodes (not kept).
-# Done 2026-12-06 (twenty-seventh session, H100): "4" with the model's decode (asm1-unchecked) and ARGS_4=--no-sweep,
-# "6" with four swap shapings and k_sub (all slower). Done 2026-12-06 (twenty-fifth session, H100): "k". Done
-# 2026-12-06 (twenty-fourth session, H100): "r" (8 passed; with the used-tile planes kernel 41.03 ms, 422 TFLOP/s, at
-# 16384 tokens), "4" (kernels 454 / 451 TFLOP/s, whole 424), "d" (the Mosaic GPU path 0.55-0.69x the Triton decode),
-# the glue probe (tests/gpu/probe_moe_glue.py). Done 2026-12-06 (twenty-third session, H100): "r"'s probe with tile_t
-# 128-176 (160 at 16384 tokens: 1.22x), "p" (no tuning beats the default), "0" (21 tests passed; 0.90x / 0.96x fla).
-# Done 2026-12-06 (twenty-second session, H100): "0" without an H200 (87-91% of copy on all the step's bytes), "r"'s
-# tests (8 passed, the layer-level test included). Done 2026-12-06 (twenty-first session): "r" (H100: 7 tests passed;
-# quick + swar 1.30x the Triton path: the prefill default now), "m" and "4" (H200: quick/swar right over bytes 0..128;
-# 1.62x / 1.71x the Triton path). Done 2026-12-05 (nineteenth session, H100): "m", "r" (glue 27 -> 12 ms, down's 2 row
-# blocks: 1.14-1.20x the Triton path). Done 2026-12-05 (eighteenth session, H200): "r" (right; 0.85x the Triton path,
-# the glue), "8" (2.41 TB/s, 56% of copy: issue-bound), "0" (split default). Done 2026-12-05 (seventeenth session,
-# H100): "0" (split decode, now the default from N = 32), "c" (the checkpoint branch: slower, reverted), "m" (the
-# one-expert Mosaic GPU GEMM: right, 361 TFLOP/s). Done 2026-12-05 on an H100 (sixteenth session): "2" (prefill target
-# met with both peers), "6" (MoE swap candidates: no gain). "1" is the KDA tests (all 37 passed in 313 s on a cold
-# H200, 2026-12-05).
+#     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmnpr (default 1234), e.g. "13", "25", "4"
+# Next (docs/benchmarks.md, "Still to run"): "n" on any card (narrow with the tiles run widest first: not yet run
+# on a GPU), then "0p" for the KDA decode's loads issued first (thirty-seventh session: not yet timed); on an H200,
+# "4" with narrow if it wins. What each step measured in earlier sessions, and on which card, is in
+# docs/benchmarks.md, one section a session; "1" is the KDA tests (all 37 passed in 313 s on a cold H200).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (steps 0 and r: LIMIT_0a and
 # LIMIT_ra for their tests, LIMIT_0b and LIMIT_r for the rest); step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
@@ -73,9 +42,21 @@ case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check in
 esac
 case $STEPS in *p*)  # the split KDA decode's launches alone (prologue, state kernel at KDA_PARTS_STATE's tunings
   # with the copy bandwidth of the same run, the XLA norm) at N = 32 and 256: why the H200 reads less of its copy
+  # (block_v 32 at 1 warp: a warp's share of the whole-V tile, no barriers between warps, 9 warps an SM by
+  # registers; 8 warps and block_v 16 at 1 warp were the slowest on the H200, thirty-sixth session)
   [ -n "${KDA_PARTS_STATE:-}" ] || KDA_PARTS_STATE='[{}, {"block_v": 32}, {"block_v": 32, "num_warps": 2},
-    {"block_v": 16, "num_warps": 1}, {"num_warps": 8}, {"heads_fastest": false}]'
+    {"block_v": 32, "num_warps": 1}, {"block_v": 64, "num_warps": 2}, {"heads_fastest": false}]'
   export KDA_PARTS_STATE; step p-kda-decode-parts ${LIMIT_p:-300} python3 -u tests/gpu/probe_kda_decode_parts.py ;;
+esac
+case $STEPS in *n*)  # tail tiles narrowed to their used slots, run widest first: the narrow GPU tests, then the
+  # gate+up kernel alone at 16384 tokens, the default against narrow 16 in the dispatch's expert order
+  # (widest_first false: the thirty-sixth session's build), narrow 16 and 32 widest first, and the default again
+  XLA_FLAGS=--xla_gpu_autotune_level=0 step n-narrow-tests ${LIMIT_na:-200} python3 -m pytest -q -rf --tb=short \
+    --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_moe_gpu.py \
+    -k "mosaic_gpu_prefill and (tuning11 or tuning12 or tuning13 or tuning14)"
+  MGPU_GATE_UP_ONLY=1 MGPU_TOKENS=16384 MGPU_TUNINGS='[{"quick": true}, {"quick": true, "narrow": 16,
+    "widest_first": false}, {"quick": true, "narrow": 16}, {"quick": true, "narrow": 32}, {"quick": true}]' \
+    step n-narrow-gate-up ${LIMIT_n:-300} python3 -u tests/gpu/probe_mgpu_routed.py ;;
 esac
 case $STEPS in *d*)  # the Mosaic GPU path at decode token counts (tiles of 16 and 32 slots) against the Triton
   # decode kernels: whether weight streaming by TMA with a warpgroup of its own reads more of the copy bandwidth
