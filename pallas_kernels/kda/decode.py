@@ -36,9 +36,9 @@ from kimik3_jax.ops.impl import Unsupported, register
 from pallas_kernels.common import resolve_interpret
 from pallas_kernels.kda.common import compiler_params
 from pallas_kernels.kda.decode_parts import conv as _conv
+from pallas_kernels.kda.decode_parts import gate_inputs as _gate_inputs
 from pallas_kernels.kda.decode_parts import gated_norm as _gated_norm
 from pallas_kernels.kda.decode_parts import grid as _grid
-from pallas_kernels.kda.decode_parts import gate_inputs as _gate_inputs
 from pallas_kernels.kda.decode_parts import head_inputs as _head_inputs
 from pallas_kernels.kda.decode_parts import head_prologue as _head_prologue
 from pallas_kernels.kda.decode_parts import state_step as _state_step

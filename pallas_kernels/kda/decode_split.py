@@ -48,12 +48,13 @@ def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids)
     t, n, h = ids()
     dk = s_ref.shape[-2]
     cols = pl.ds(t * bv, bv)
-    # Every load before the state's, which waits on its slot: each is then issued at the start, its latency
-    # under the slot's and the state's. Read where they were used (beta a reduction over its row, the row's
-    # length just before the state's store), the program waited on memory three times in turn (offline SASS).
+    # The slot, the length and the rows before the state (which waits on its slot), v after it: each load is
+    # issued at the start, its latency under the slot's and the state's. Read where they were used (beta a
+    # reduction over its row, the length just before the state's store), the program waited on memory three
+    # times in turn (offline SASS, docs/benchmarks.md, thirty-seventh session).
     slot, active = slots_ref[n], lens_ref[n] > 0
     q, k, g = pre_ref[n, h, 0, :], pre_ref[n, h, 1, :], pre_ref[n, h, 3, :]
-    beta = pre_ref[n, h, 4, 0]  # the row holds beta K times
+    beta = pre_ref[n, h, 4, 0]  # the row holds beta K times: one is read
     s0 = s_ref[slot, h, :, cols]
     v = pre_ref[n, h, 2, cols]
     s, o_raw[n, h, cols] = state_step(s0, q, k, v, g, beta)
