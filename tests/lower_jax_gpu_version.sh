@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The Mosaic GPU kernels' CUDA lowering under the GPU machine's jax (0.11.2), on this CPU: its layout inference
+# The Pallas kernels' CUDA lowering (Mosaic GPU and Triton) under the GPU machine's jax (0.11.2), on this CPU: its layout inference
 # differs from 0.10.2's (a shared-memory column read lowered on 0.10.2 and was refused only on the GPU, twenty-
 # sixth session; reproduced here in the thirty-sixth). jax 0.11.2 needs Python 3.12, which pyenv has on these
 # machines. Run from the repository root before spending device time on a kernel change:
-#     bash tests/lower_jax_gpu_version.sh            # the lowering tests of tests/test_moe_wgmma.py
+#     bash tests/lower_jax_gpu_version.sh            # the lowering tests (test_moe_wgmma.py, test_cuda_lowering.py)
 #     bash tests/lower_jax_gpu_version.sh -k 'lower and routed'   # pytest arguments; a -k replaces the default's
 # The venv is made once in $VENV (default /tmp/v312, about 2 minutes).
 set -eu
@@ -22,4 +22,4 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -c "import jax, sys; v = jax.__version__; print('jax', v); sys.exit(v != '$JAX_VERSION')" \
   || { echo "$VENV has another jax; remove it or set VENV" >&2; exit 1; }
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_moe_wgmma.py -k "lower" "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_moe_wgmma.py tests/test_cuda_lowering.py -k "lower" "$@"

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from cuda_lowering import lower_for_cuda
 
 from kimik3_jax.mxfp4 import E2M1_VALUES, dequantize_np
 from kimik3_jax.ops.moe import routed_experts
@@ -115,8 +116,7 @@ def test_kernel_lowers_for_cuda(tuning):
     planes = (x[0], t, x[1]) if tuning.get("x_tk") else (*x, t)
     args = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),
             jax.ShapeDtypeStruct(planes, jnp.bfloat16))
-    hlo = jax.jit(functools.partial(wg.mxfp4_matmul, **tuning)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+    hlo = lower_for_cuda(functools.partial(wg.mxfp4_matmul, **tuning), *args)
     assert "mosaic_gpu" in hlo
 
 
@@ -284,9 +284,9 @@ def test_routed_mgpu_lowers_for_cuda():
     args = (jax.ShapeDtypeStruct((n, latent), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int32),
             jax.ShapeDtypeStruct((n, k), jnp.float32), experts)
     for scale_max in (None, 120):  # the exact decode and the quick one
-        f = jax.jit(lambda x, i, w, ex: rm.routed_experts_mgpu(x, i, w, ex, BETA, LINEAR_BETA, tuning={"sms": 132},
-                                                               scale_max=scale_max))
-        hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        hlo = lower_for_cuda(lambda x, i, w, ex: rm.routed_experts_mgpu(x, i, w, ex, BETA, LINEAR_BETA,
+                                                                         tuning={"sms": 132}, scale_max=scale_max),
+                             *args)
         assert hlo.count("mosaic_gpu") >= 2
     route = (jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), jnp.float32))
     with pytest.raises(ValueError, match="N = 64 \\(multiple of 256\\)"):
