@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The Pallas kernels' CUDA lowering (Mosaic GPU and Triton) under the GPU machine's jax (0.11.2), on this CPU: its layout inference
-# differs from 0.10.2's (a shared-memory column read lowered on 0.10.2 and was refused only on the GPU, twenty-
-# sixth session; reproduced here in the thirty-sixth). jax 0.11.2 needs Python 3.12, which pyenv has on these
-# machines. Run from the repository root before spending device time on a kernel change:
+# The Pallas kernels' CUDA lowering (Mosaic GPU and Triton) under the GPU machine's jax (0.11.2), on this CPU:
+# its Mosaic GPU layout inference differs from 0.10.2's (a shared-memory column read lowered on 0.10.2 and was
+# refused only on the GPU, twenty-sixth session; reproduced here in the thirty-sixth). jax 0.11.2 needs Python
+# 3.12, which pyenv has on these machines. Run from the repository root before spending device time on a kernel
+# change:
 #     bash tests/lower_jax_gpu_version.sh            # the lowering tests (test_moe_wgmma.py, test_cuda_lowering.py)
 #     bash tests/lower_jax_gpu_version.sh -k 'lower and routed'   # pytest arguments; a -k replaces the default's
 # The venv is made once in $VENV (default /tmp/v312, about 2 minutes).
