@@ -54,7 +54,8 @@ from pallas_kernels.moe.wgmma_mxfp4 import (QUICK_MAX, grouped_mxfp4_matmul_t, t
 # 40.79 against 40.85 ms (H100, 2026-12-07: no gain). narrow (each tile's products over its used slots rounded up
 # to `narrow`, a pipeline per width) is off: in expert order, gate+up took 30.0 against 26.0 ms at 16384 tokens
 # with narrow 16 (H100), and on the H200 about 0.35 ms more per width (28.1 / 27.1 / 25.1 ms for 16 / 32 / 80,
-# 25.2 without; 2026-12-07). The tiles now run widest first (not yet timed).
+# 25.2 without; 2026-12-07). Run widest first, that cost is gone but nothing is saved: 26.2 / 25.7 ms for 16 / 32
+# against 25.6-25.8 without (H100, thirty-seventh session).
 TUNING = dict(tile_t=None, plane_cols=64, stages=3, delay=1, persistent=True, row_blocks=(1, 2), swar=True, narrow=0)
 # Bounds of `tile_slots`: 160 slots is the largest tile measured best (176 ran 3% slower at 16384 tokens, 256
 # runs out of shared memory, above), and small tiles repeat the decode (64 at 7168 tokens: 1.43x the time of 144).
