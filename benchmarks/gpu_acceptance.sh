@@ -48,13 +48,13 @@ case $STEPS in *p*)  # the split KDA decode's launches alone (prologue, state ke
   export KDA_PARTS_STATE; step p-kda-decode-parts ${LIMIT_p:-300} python3 -u tests/gpu/probe_kda_decode_parts.py ;;
 esac
 case $STEPS in *n*)  # tail tiles narrowed to their used slots, run widest first: the narrow GPU tests, then the
-  # gate+up kernel alone at 16384 tokens, the default against narrow 16 in the dispatch's expert order
-  # (widest_first false: the thirty-sixth session's build), narrow 16 and 32 widest first, and the default again
+  # gate+up kernel alone at 16384 tokens, the default against narrow 16 and 32, and the default again (H100,
+  # thirty-seventh session: no gain)
   XLA_FLAGS=--xla_gpu_autotune_level=0 step n-narrow-tests ${LIMIT_na:-200} python3 -m pytest -q -rf --tb=short \
     --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_moe_gpu.py \
     -k "mosaic_gpu_prefill and (tuning11 or tuning12 or tuning13 or tuning14)"
-  MGPU_GATE_UP_ONLY=1 MGPU_TOKENS=16384 MGPU_TUNINGS='[{"quick": true}, {"quick": true, "narrow": 16,
-    "widest_first": false}, {"quick": true, "narrow": 16}, {"quick": true, "narrow": 32}, {"quick": true}]' \
+  MGPU_GATE_UP_ONLY=1 MGPU_TOKENS=16384 MGPU_TUNINGS='[{"quick": true}, {"quick": true, "narrow": 16},
+    {"quick": true, "narrow": 32}, {"quick": true}]' \
     step n-narrow-gate-up ${LIMIT_n:-300} python3 -u tests/gpu/probe_mgpu_routed.py ;;
 esac
 case $STEPS in *d*)  # the Mosaic GPU path at decode token counts (tiles of 16 and 32 slots) against the Triton

@@ -361,16 +361,17 @@ def token_words(x):
     return jnp.take(x, jnp.asarray(word_order(x.shape[1]), jnp.int32), axis=1)[None]
 
 
-def tile_widths(tile_used, narrow: int, tile_t: int, tiles: int, widest_first: bool = True):
+def tile_widths(tile_used, narrow: int, tile_t: int, tiles: int):
     """The kernel's widths for `narrow` (0: the one width tile_t), each tile's index among them (the fewest
     columns covering its used slots; an unused tile the narrowest) and the tiles' order of work: widest
     first, stable, so that an SM runs one width's code for many tiles in a row and the loop ends on the
-    shortest tiles (or, not widest_first, the dispatch's expert order, where an expert's tiles run together)."""
+    shortest tiles (in the dispatch's expert order, narrow 16's gate+up took 29.2 ms against 26.2 widest first
+    at 16384 tokens on the H100: docs/benchmarks.md, thirty-seventh session)."""
     if not narrow:
         return (tile_t,), jnp.zeros((tiles,), jnp.int32), jnp.arange(tiles, dtype=jnp.int32)
     widths = tuple(range(narrow, tile_t + 1, narrow))
     width_idx = jnp.clip((tile_used + narrow - 1) // narrow - 1, 0, len(widths) - 1).astype(jnp.int32)
-    order = jnp.argsort(-width_idx, stable=True) if widest_first else jnp.arange(tiles)
+    order = jnp.argsort(-width_idx, stable=True)
     return widths, width_idx, order.astype(jnp.int32)
 
 
@@ -379,7 +380,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
                           persistent: bool = False, sms: int | None = None, x_tk: bool = False,
                           plane_rows: bool = False, transpose_out: bool = False, row_blocks: int = 1,
                           quick: bool = False, swar: bool = False, words: bool = False, wgs: int = 2,
-                          tile_used=None, narrow: int = 0, widest_first: bool = True):
+                          tile_used=None, narrow: int = 0):
     """The expert GEMMs of a block-aligned dispatch, transposed: out[N, S] with column block t (tile_t slots)
     = epilogue(W_m[e_t] @ planes' slots^T, for each matrix m), e_t = tile_expert[t]; columns of an unused
     tile (e_t = E) are left unwritten. packed: a tuple of [E, N, K/2] uint8 (one or more matrices with the
@@ -398,7 +399,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     the slots of each tile that hold pairs, a prefix): each tile's wgmmas cover only its first used slots
     rounded up to `narrow`, chosen per tile among tile_t / narrow static widths (a whole pipeline each, on the
     same buffers); its other columns are left unwritten, as an unused tile's. The tiles then run widest first
-    (`tile_widths`), or with widest_first False in the dispatch's order.
+    (`tile_widths`).
     quick: one multiply per weight instead of two, for scale bytes up to QUICK_MAX only (unchecked). swar: the
     nibbles' bits made two per 32-bit word (`pair_planes`) instead of per 16-bit lane. words: the weights
     decoded by asm1r in PTX, a 32-bit word of a scale block's bytes at a time (`word_steps`; quick only), with
@@ -432,7 +433,7 @@ def grouped_mxfp4_matmul_t(tile_expert, packed, scales_t, planes, *, epilogue=No
     if narrow and (narrow % 16 or tile_t % narrow or tile_used is None or tile_used.shape != (t // tile_t,)):
         raise ValueError(f"mxfp4_matmul: narrow = {narrow} must be a multiple of 16 dividing tile_t = {tile_t}, with "
                          f"tile_used [{t // tile_t}] (got {None if tile_used is None else tile_used.shape})")
-    widths, width_idx, order = tile_widths(tile_used, narrow, tile_t, t // tile_t, widest_first)
+    widths, width_idx, order = tile_widths(tile_used, narrow, tile_t, t // tile_t)
     x_shape = (1, 2 * half_k) if words else (2, half_k)  # [planes, k per plane]
     want = (x_shape[0], t, x_shape[1]) if x_tk else (*x_shape, t)
     if planes.shape != want or tile_expert.shape != (t // tile_t,):
