@@ -40,6 +40,7 @@ from pallas_kernels.kda.decode_parts import gate_inputs as _gate_inputs
 from pallas_kernels.kda.decode_parts import gated_norm as _gated_norm
 from pallas_kernels.kda.decode_parts import grid as _grid
 from pallas_kernels.kda.decode_parts import head_inputs as _head_inputs
+from pallas_kernels.kda.decode_parts import head_loads as _head_loads
 from pallas_kernels.kda.decode_parts import head_prologue as _head_prologue
 from pallas_kernels.kda.decode_parts import state_step as _state_step
 from pallas_kernels.kda.decode_split import decode_split
@@ -65,24 +66,29 @@ SPLIT_FROM = 32
 
 
 def _decode_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, s_ref, g_ref, b_ref, gate_ref,
-                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place, ids):
+                   nw_ref, o_ref, tails_out, s_out, *, lower_bound, gate, qk_norm, eps, in_place, interpret, ids):
     n, h = ids()
     dk, dv = s_ref.shape[-2], s_ref.shape[-1]
     slot = slots_ref[n]
     active = lens_ref[n] > 0
     cs = pl.ds(h * dk, dk)
     row = slot if in_place else n  # the tails' row: the slot of the aliased pool, or this row of a fresh output
-    # The state's load is issued first, so that its latency overlaps the conv prologue's loads and
-    # arithmetic, and every store comes after the last load (a store issued earlier would keep the state
-    # load behind it: the pointers may alias). On the H200 at H = 96 this ordering with the tails in place
-    # took a step from 178 to 144 us at N = 32 and from 23.5 to 14.3 us at N = 1 (2026-12-02). Taking the
-    # value columns in 2 or 4 blocks one after another, the next block's load issued before this one's store,
-    # was slower: 131.0 / 164.6 against 130.7 us at N = 32 (2026-12-05).
+    # The state's loads are issued first, right after the slot's, and every store comes after the last load (a
+    # store issued earlier would keep the state load behind it: the pointers may alias). The barrier keeps them
+    # there: without it ptxas sank them under the conv, behind the conv inputs' round trip and their SiLU, so
+    # that each program waited on memory twice before its state streamed; asked to issue the conv inputs first
+    # and the state next, it still computed the SiLU in between (offline SASS, docs/benchmarks.md, thirty-eighth
+    # session). On the H200 at H = 96, the state load issued before the conv with the tails in place took a step
+    # from 178 to 144 us at N = 32 and from 23.5 to 14.3 us at N = 1 (2026-12-02). Taking the value columns in 2
+    # or 4 blocks one after another, the next block's load issued before this one's store, was slower: 131.0 /
+    # 164.6 against 130.7 us at N = 32 (2026-12-05).
     s0 = s_ref[slot, h, :, :]
-    nw, gate_row = nw_ref[...], gate_ref[n, h, :]  # here, not behind the norm's barriers (offline SASS)
-    q, k, v, g, beta, tails = _head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_out.dtype,
-                                           slot=slot, n=n, h=h, dk=dk, active=active, lower_bound=lower_bound,
-                                           gate=gate, qk_norm=qk_norm)
+    if not interpret:
+        plt.debug_barrier()
+    loaded = _head_loads(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, slot=slot, n=n, h=h, dk=dk, gate=gate)
+    nw, gate_row = nw_ref[...], gate_ref[n, h, :]
+    q, k, v, g, beta, tails = _head_inputs(loaded, qkv_ref.dtype, tails_out.dtype, active=active,
+                                           lower_bound=lower_bound, gate=gate, qk_norm=qk_norm)
     s, o = _state_step(s0, q, k, v, g, beta)
     o_ref[n, h, :] = _gated_norm(o, nw, gate_row, eps).astype(o_ref.dtype)
     plt.store(s_out.at[slot, h, :, :], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, dv)))
@@ -107,8 +113,8 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
     vs = pl.ds(h * dk + t * bv, bv)  # this tile's value channels
     cols = pl.ds(t * bv, bv)
 
-    def conv(j, chans, size):
-        return _conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size)
+    def conv(j, chans):
+        return _conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans)
 
     def store_tails(j, chans, hist, size):  # the tail moves by one token (an inactive row keeps its tail)
         keep = jnp.broadcast_to(active, (size,))
@@ -117,7 +123,7 @@ def _decode_tiles_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref
 
     s0 = s_ref[slot, h, :, cols]  # first, and every store last, as in the whole-V kernel
     raw = _gate_inputs(g_ref, b_ref, alog_ref, n, h, gate)
-    (q, hq), (k, hk), (v, hv) = conv(0, cs, dk), conv(1, cs, dk), conv(2, vs, bv)
+    (q, hq), (k, hk), (v, hv) = conv(0, cs), conv(1, cs), conv(2, vs)
     q, k, g, beta = _head_prologue(q, k, raw, active, lower_bound, gate, qk_norm)
     s, o_raw[n, h, cols] = _state_step(s0, q, k, v, g, beta)  # the read is un-normed fp32
     # Publish: every thread's stores (and loads) come before the CTA barrier, which comes before the counter's
@@ -209,7 +215,7 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
                              gate_on=a_log is not None, qk_norm=qk_norm)
     grid, ids = _grid(nb, nh, t["heads_fastest"])
     kernel = functools.partial(_decode_kernel, lower_bound=lb, gate=a_log is not None, qk_norm=qk_norm,
-                               eps=float(eps), in_place=in_place, ids=ids)
+                               eps=float(eps), in_place=in_place, interpret=resolve_interpret(interpret), ids=ids)
     # Both pools are aliased (updated in place) by default; without tails_in_place the kernel writes each
     # row's new tails (221 KB per sequence at K3's widths, 4% of its state traffic) and a scatter puts them
     # in their slots.

@@ -1,6 +1,7 @@
 """The pieces the Pallas decode kernels share (`decode.py` and `decode_split.py`): the launch grid, a
 channel block's causal conv, the head's prologue (q/k norms, gate, beta), all of a head's inputs with its new
-conv tails, the state step, and the output's gated RMSNorm."""
+conv tails (loaded by `head_loads`, computed by `head_inputs`: a kernel can issue other loads in between), the
+state step, and the output's gated RMSNorm."""
 
 from __future__ import annotations
 
@@ -51,32 +52,47 @@ def gated_norm(o, nw, gate_row, eps):
     return o * jax.nn.sigmoid(gate_row.astype(f32))
 
 
-def conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, size):
-    """Channel block `chans` of projection j of row n: the causal conv over the slot's tail and the new
-    token, SiLU, rounded to the activation dtype as the reference does; and the conv's history (tail + token)."""
-    f32 = jnp.float32
+def conv_inputs(conv_ref, qkv_ref, w_ref, slot, n, j, chans):
+    """Channel block `chans` of projection j of row n, loaded: the conv's history (the slot's tail and the new
+    token) and its weights, one row per tap."""
     width = w_ref.shape[-1]
     hist = [conv_ref[slot, j, r, chans] for r in range(width - 1)] + [qkv_ref[n, j, chans]]
-    y = jnp.zeros((size,), f32)
-    for r in range(width):
-        y = y + hist[r].astype(f32) * w_ref[j, chans, r].astype(f32)
-    return jax.nn.silu(y).astype(qkv_ref.dtype).astype(f32), hist
+    return hist, [w_ref[j, chans, r] for r in range(width)]
 
 
-def head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_dtype, *, slot, n, h, dk, active,
-                lower_bound, gate, qk_norm):
-    """One (sequence, head)'s q, k, v (conv + SiLU over the slot's tails), gate and beta (`head_prologue`),
-    and the new conv tails of its q, k, v channels as (projection, row, tile) for the caller to store after
-    its last load: each tail moves by one token, and an inactive row keeps its tail."""
-    width = w_ref.shape[-1]
+def conv_silu(hist, w, dtype):
+    """The causal conv of one channel block from its `conv_inputs`, SiLU, rounded to the activation dtype as the
+    reference does (returned in fp32)."""
+    f32 = jnp.float32
+    y = jnp.zeros(hist[0].shape, f32)
+    for x, wr in zip(hist, w):
+        y = y + x.astype(f32) * wr.astype(f32)
+    return jax.nn.silu(y).astype(dtype).astype(f32)
+
+
+def conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans):
+    """Channel block `chans` of projection j of row n: its conv + SiLU (`conv_silu`) and its history."""
+    hist, w = conv_inputs(conv_ref, qkv_ref, w_ref, slot, n, j, chans)
+    return conv_silu(hist, w, qkv_ref.dtype), hist
+
+
+def head_loads(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, *, slot, n, h, dk, gate):
+    """Every input one (sequence, head) reads, loaded: its `gate_inputs` and its q, k, v `conv_inputs`."""
     chans = pl.ds(h * dk, dk)
-    keep = jnp.broadcast_to(active, (dk,))
     raw = gate_inputs(g_ref, b_ref, alog_ref, n, h, gate)
+    return raw, [conv_inputs(conv_ref, qkv_ref, w_ref, slot, n, j, chans) for j in range(3)]
+
+
+def head_inputs(loaded, dtype, tails_dtype, *, active, lower_bound, gate, qk_norm):
+    """One (sequence, head)'s q, k, v (conv + SiLU over the slot's tails), gate and beta (`head_prologue`) from
+    its `head_loads`, and the new conv tails of its q, k, v channels as (projection, row, tile) for the caller
+    to store after its last load: each tail moves by one token, and an inactive row keeps its tail."""
+    raw, convs = loaded
     ys, tails = [], []
-    for j in range(3):
-        y, hist = conv(conv_ref, qkv_ref, w_ref, slot, n, j, chans, dk)
-        ys.append(y)
-        tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_dtype)) for r in range(width - 1)]
+    for j, (hist, w) in enumerate(convs):
+        ys.append(conv_silu(hist, w, dtype))
+        keep = jnp.broadcast_to(active, hist[0].shape)
+        tails += [(j, r, jnp.where(keep, hist[r + 1], hist[r]).astype(tails_dtype)) for r in range(len(hist) - 1)]
     q, k, v = ys
     q, k, g, beta = head_prologue(q, k, raw, active, lower_bound, gate, qk_norm)
     return q, k, v, g, beta, tails

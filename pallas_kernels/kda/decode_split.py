@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import gated_output_norm
 from pallas_kernels.kda.common import compiler_params
-from pallas_kernels.kda.decode_parts import grid, head_inputs, state_step
+from pallas_kernels.kda.decode_parts import grid, head_inputs, head_loads, state_step
 
 PRE_ROWS = 5  # q, k, v, g, beta
 
@@ -35,8 +35,8 @@ def _prologue_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, g_
     n, h = ids()
     dk = pre_ref.shape[-1]
     slot = slots_ref[n]
-    q, k, v, g, beta, tails = head_inputs(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, tails_out.dtype,
-                                          slot=slot, n=n, h=h, dk=dk, active=lens_ref[n] > 0,
+    loaded = head_loads(conv_ref, qkv_ref, w_ref, g_ref, b_ref, alog_ref, slot=slot, n=n, h=h, dk=dk, gate=gate)
+    q, k, v, g, beta, tails = head_inputs(loaded, qkv_ref.dtype, tails_out.dtype, active=lens_ref[n] > 0,
                                           lower_bound=lower_bound, gate=gate, qk_norm=qk_norm)
     for i, x in enumerate((q, k, v, g, jnp.broadcast_to(beta, (dk,)))):
         pre_ref[n, h, i, :] = x
