@@ -109,8 +109,8 @@ def decode_case(n, h=96, w=4):
 
 
 @pytest.mark.parametrize("tuning", [None, dict(split=False), dict(tails_in_place=False),
-                                    dict(block_v=32, num_warps=4), dict(block_v=64, num_warps=2), dict(heads_fastest=False),
-                                    dict(split=True, block_v=32)],
+                                    dict(block_v=32, num_warps=4), dict(block_v=64, num_warps=2),
+                                    dict(heads_fastest=False), dict(split=True, block_v=32)],
                          ids=["whole", "one-launch", "tails-scattered", "bv32", "bv64-2w", "whole-sequences-fastest",
                               "split-bv32"])
 @pytest.mark.parametrize("n", [1, 32, 256])
