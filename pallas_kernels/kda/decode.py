@@ -61,7 +61,11 @@ from pallas_kernels.kda.decode_split import decode_split
 # is the faster (7.3 against 8.4 us, fewer launches), so it stays below SPLIT_FROM. Those split times left the
 # XLA norm out (dead code in the benchmark's loop); with it (2026-12-06, H100): 164.0 against 165.2 at N = 32,
 # 1226.4 against 1267.0 at N = 256.
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None)
+# programs (split only): the state kernel as that many persistent programs, each over every programs-th tile, the
+# next tile's loads issued before this one's arithmetic (`decode_split._state_loop_kernel`); None: a program a
+# tile.
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None,
+              programs=None)
 SPLIT_FROM = 32
 
 
