@@ -369,8 +369,7 @@ def main():
               f"| {fmt('ours_wall_ms')} / {fmt('jla_wall_ms')} | {errs} |")
     print(f"\n| decode N (H={args.decode_heads}) | ours us/step (by difference / 100-step loop average / rolled) "
           "| ours us/call | ours TB/s of state (of copy) | ours TB/s of all the step's bytes (of copy) "
-          "| ours block_v, warps (split: three launches; persistent state programs) | fla us (do_bench / graph) "
-          "| fla TB/s of state (graph; of copy) "
+          "| ours block_v, warps (split: three launches) | fla us (do_bench / graph) | fla TB/s of state (graph; of copy) "
           "| err o / state |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     copy = result.get("copy_tbps", float("nan"))
@@ -379,12 +378,11 @@ def main():
                f"{r.get('fla_graph_tbps', float('nan')):.2f} ({r.get('fla_graph_tbps', float('nan')) / copy:.0%})") \
             if "fla_us" in r else "- | -"
         t = dict(pdecode.TUNING, **r["ours_tuning"])
-        programs = f", {t['programs']} programs" if t["programs"] and pdecode.splits(t, r["n"]) else ""
         print(f"| {r['n']} | {r['ours_us']:.1f} / {r['ours_loop_us']:.1f} / {r['ours_rolled_us']:.1f} | "
               f"{r['ours_call_us']:.1f} | "
               f"{r['ours_tbps']:.2f} ({r['ours_tbps'] / copy:.0%}) | "
               f"{r['ours_all_tbps']:.2f} ({r['ours_all_tbps'] / copy:.0%}) | "
-              f"{t['block_v'] or DV}, {t['num_warps']}{', split' * pdecode.splits(t, r['n'])}{programs} | "
+              f"{t['block_v'] or DV}, {t['num_warps']}{', split' * pdecode.splits(t, r['n'])} | "
               f"{fla} | "
               f"{r['ours_err_o']:.1e} / {r['ours_err_s']:.1e} |")
 

@@ -43,7 +43,6 @@ from pallas_kernels.kda.decode_parts import head_inputs as _head_inputs
 from pallas_kernels.kda.decode_parts import head_loads as _head_loads
 from pallas_kernels.kda.decode_parts import head_prologue as _head_prologue
 from pallas_kernels.kda.decode_parts import state_step as _state_step
-from pallas_kernels.kda.decode_loop import decode_loop
 from pallas_kernels.kda.decode_split import decode_split
 
 # block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29).
@@ -62,11 +61,7 @@ from pallas_kernels.kda.decode_split import decode_split
 # is the faster (7.3 against 8.4 us, fewer launches), so it stays below SPLIT_FROM. Those split times left the
 # XLA norm out (dead code in the benchmark's loop); with it (2026-12-06, H100): 164.0 against 165.2 at N = 32,
 # 1226.4 against 1267.0 at N = 256.
-# programs: that many persistent programs, each over every programs-th unit of work, the next one's loads issued
-# before this one's arithmetic: with split, the state kernel's tiles (`decode_split._state_loop_kernel`); without,
-# the whole step's heads in value tiles of block_v (`decode_loop.py`). None: a program a tile (a head).
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None,
-              programs=None)
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None)
 SPLIT_FROM = 32
 
 
@@ -204,9 +199,8 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     bv = block_v_of(t, dv)
     in_place = t["tails_in_place"] is not False
     t["split"] = splits(t, nb)
-    if not in_place and (bv < dv or t["split"] or t["programs"]):
-        which = ("split=True" if t["split"] else f"programs = {t['programs']}" if t["programs"]
-                 else f"the value tiles (block_v = {bv})")
+    if not in_place and (bv < dv or t["split"]):
+        which = "split=True" if t["split"] else f"the value tiles (block_v = {bv})"
         raise ValueError(f"kda_decode kernel: {which} always writes the tails in place; tails_in_place=False "
                          "needs the one-launch whole-V kernel")
     slots = slots.astype(jnp.int32)
@@ -215,10 +209,6 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
         return decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
                             eps=float(eps), tuning=t, interpret=resolve_interpret(interpret), lower_bound=lb,
                             gate_on=a_log is not None, qk_norm=qk_norm)
-    if t["programs"]:
-        return decode_loop(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
-                           programs=t["programs"], eps=float(eps), tuning=t, interpret=resolve_interpret(interpret),
-                           lower_bound=lb, gate_on=a_log is not None, qk_norm=qk_norm)
     if bv < dv:
         return _decode_tiles(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
                              eps=float(eps), tuning=t, interpret=resolve_interpret(interpret), lower_bound=lb,

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import gated_output_norm
-from pallas_kernels.kda.common import cdiv, compiler_params
+from pallas_kernels.kda.common import compiler_params
 from pallas_kernels.kda.decode_parts import grid, head_inputs, head_loads, state_step
 
 PRE_ROWS = 5  # q, k, v, g, beta
@@ -62,59 +62,6 @@ def _state_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, ids)
     plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(active, (dk, bv)))
 
 
-def _state_loop_kernel(slots_ref, lens_ref, pre_ref, s_ref, o_raw, s_out, *, bv, programs, pairs, nh):
-    """The state kernel as `programs` persistent programs, each over the tiles p, p + programs, ... (tile i:
-    value tile i % (V / bv) of head (i // (V / bv)) % H of row i // (H V / bv), heads fastest), two at a
-    time: the next tile's loads are issued before this one's arithmetic and stores, so that a program always
-    has a tile in flight (the one-tile programs wait on the slot, then the state, then compute, then exit). A
-    tile's slot and length are loaded with the tile before it. Past the last tile the state's loads and every
-    store are masked off."""
-    p = pl.program_id(0)
-    dk = s_ref.shape[-2]
-    nv = s_ref.shape[-1] // bv
-    nb = slots_ref.shape[0]
-    total = nb * nh * nv
-
-    def where(i):  # -> (in range, n, h, column block), clamped to the last tile
-        i = jnp.minimum(i, total - 1)
-        return i // (nh * nv), (i // nv) % nh, i % nv
-
-    def row(i):  # the slot and length of tile i's row: loaded a tile ahead of its state
-        n = where(i)[0]
-        return slots_ref[n], lens_ref[n]
-
-    def load(i, slot_len):
-        n, h, c = where(i)
-        valid = i < total
-        slot, length = slot_len
-        cols = pl.ds(c * bv, bv)
-        full = jnp.broadcast_to(valid, (dk, bv))
-        q, k, g = pre_ref[n, h, 0, :], pre_ref[n, h, 1, :], pre_ref[n, h, 3, :]
-        beta = pre_ref[n, h, 4, 0]
-        s0 = plt.load(s_ref.at[slot, h, :, cols], mask=full, other=0.0)
-        v = pre_ref[n, h, 2, cols]
-        return (s0, q, k, g, beta, v), (valid, length > 0, slot, n, h, c), row(i + programs)
-
-    def finish(tile):
-        (s0, q, k, g, beta, v), (valid, active, slot, n, h, c) = tile[:2]
-        cols = pl.ds(c * bv, bv)
-        s, o = state_step(s0, q, k, v, g, beta)
-        plt.store(o_raw.at[n, h, cols], o, mask=jnp.broadcast_to(valid, (bv,)))
-        # an inactive row (g = 0, beta = 0) leaves its state as it is: not written at all
-        plt.store(s_out.at[slot, h, :, cols], s.astype(s_out.dtype), mask=jnp.broadcast_to(valid & active, (dk, bv)))
-
-    def body(j, a):
-        i = p + 2 * j * programs
-        b = load(i + programs, a[2])
-        finish(a)
-        a_next = load(i + 2 * programs, b[2])
-        finish(b)
-        return a_next
-
-    # each load also loads the row of the program's next tile, whose load comes after one tile's arithmetic
-    jax.lax.fori_loop(0, pairs, body, load(p, row(p)))
-
-
 def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tuning, interpret, lower_bound,
              gate_on, qk_norm):
     """Launch 1: -> (pre [N, H, PRE_ROWS, K] fp32, conv_pool with the new tails in place)."""
@@ -130,22 +77,12 @@ def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tun
 
 
 def state(slots, lens, pre, s_pool, *, bv, tuning, interpret):
-    """Launch 2: -> (the un-normed output [N, H, V] fp32, s_pool updated in place). With tuning["programs"]
-    set, `programs` persistent programs (`_state_loop_kernel`) in place of one a tile."""
+    """Launch 2: -> (the un-normed output [N, H, V] fp32, s_pool updated in place)."""
     nb, nh = pre.shape[:2]
     dv = s_pool.shape[-1]
-    programs = tuning.get("programs")
-    if programs:
-        total = nb * nh * (dv // bv)
-        programs = min(int(programs), total)
-        kernel = functools.partial(_state_loop_kernel, bv=bv, programs=programs, nh=nh,
-                                   pairs=cdiv(cdiv(total, programs), 2))
-        tile_grid = (programs,)
-    else:
-        tile_grid, tile_ids = grid(nb, nh, tuning["heads_fastest"], (dv // bv,))
-        kernel = functools.partial(_state_kernel, bv=bv, ids=tile_ids)
+    tile_grid, tile_ids = grid(nb, nh, tuning["heads_fastest"], (dv // bv,))
     return pl.pallas_call(
-        kernel,
+        functools.partial(_state_kernel, bv=bv, ids=tile_ids),
         out_shape=(jax.ShapeDtypeStruct((nb, nh, dv), jnp.float32), jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype)),
         grid=tile_grid, input_output_aliases={3: 1}, interpret=interpret, name="kda_decode_state",
         compiler_params=compiler_params(tuning["num_warps"], tuning["num_stages"]),
