@@ -60,7 +60,8 @@ from pallas_kernels.kda.decode_split import decode_split
 # kernel: 158.9 against 165.2 us per step at N = 32, 1223.7 against 1268.9 at N = 256; at N = 1 the one launch
 # is the faster (7.3 against 8.4 us, fewer launches), so it stays below SPLIT_FROM. Those split times left the
 # XLA norm out (dead code in the benchmark's loop); with it (2026-12-06, H100): 164.0 against 165.2 at N = 32,
-# 1226.4 against 1267.0 at N = 256.
+# 1226.4 against 1267.0 at N = 256. With both kernels' loads issued first (2026-12-07, H100, one run): 155.9
+# against 157.3 at N = 32, 1191.8 against 1187.1 at N = 256: alike, so SPLIT_FROM stays.
 TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None)
 SPLIT_FROM = 32
 
