@@ -17,7 +17,7 @@ import pytest
 
 from kimik3_jax.ops.kda import kda_decode as decode_ref
 from kimik3_jax.ops.kda import kda_prefill as prefill_ref
-from pallas_kernels.kda.decode import kda_decode
+from pallas_kernels.kda.decode import SPLIT_FROM, kda_decode
 from pallas_kernels.kda.prefill import kda_prefill
 
 BF16_LEVEL = 1e-2
@@ -108,17 +108,20 @@ def decode_case(n, h=96, w=4):
     return (qkv, conv_w, conv_pool, s_pool, slots, z, beta, gate, norm_w), kw
 
 
-@pytest.mark.parametrize("tuning", [None, dict(split=False), dict(tails_in_place=False),
-                                    dict(block_v=32, num_warps=4), dict(block_v=64, num_warps=2),
-                                    dict(heads_fastest=False), dict(split=True, block_v=32)],
-                         ids=["whole", "one-launch", "tails-scattered", "bv32", "bv64-2w", "whole-sequences-fastest",
-                              "split-bv32"])
-@pytest.mark.parametrize("n", [1, 32, 256])
+DECODE_TUNINGS = {"whole": None, "one-launch": dict(split=False), "tails-scattered": dict(tails_in_place=False),
+                  "bv32": dict(block_v=32, num_warps=4), "bv64-2w": dict(block_v=64, num_warps=2),
+                  "whole-sequences-fastest": dict(heads_fastest=False), "split-bv32": dict(split=True, block_v=32)}
+# "one-launch" only where the default splits: below SPLIT_FROM rows the default is that kernel already
+DECODE_CASES = [pytest.param(n, t, id=f"{name}-{n}") for name, t in DECODE_TUNINGS.items() for n in (1, 32, 256)
+                if name != "one-launch" or n >= SPLIT_FROM]
+
+
+@pytest.mark.parametrize("n,tuning", DECODE_CASES)
 def test_decode_matches_reference(n, tuning):
-    """None: whole V per program with the conv tails in place, heads fastest (the default: split from 32
-    rows on); the one-launch whole-V kernel at every N; the whole-V kernel with the tails scattered after it,
-    and with sequences fastest; value tiles; the split launches (prologue kernel, state kernel in value tiles,
-    the norm by XLA)."""
+    """None: whole V per program with the conv tails in place, heads fastest (the default: split from
+    SPLIT_FROM rows on); the one-launch whole-V kernel where the default splits; the whole-V kernel with the
+    tails scattered after it, and with sequences fastest; value tiles; the split launches (prologue kernel,
+    state kernel in value tiles, the norm by XLA)."""
     args, kw = decode_case(n)
     o, c, s = jax.jit(lambda *a: kda_decode(*a, tuning=tuning, **kw))(*args)
     # The state is at bf16 level, not fp32: the op rounds the conv + SiLU output to bf16 (as the layer
