@@ -12,7 +12,8 @@ The state kernel is timed at each of KDA_PARTS_STATE's tunings (a JSON list of o
 num_warps, heads_fastest; default: block_v from KDA_PARTS_BV), its output and states checked against the first
 tuning's, and its rate given as a share of the copy bandwidth measured in the same run (`timing.copy_tbps`).
 With KDA_PARTS_CEILING=1 (the default), a kernel that only streams the pool on the same grid (`stream`), in place
-and into a new array, at block_v 128 and 32: how much of the state kernel's gap to copy is its access pattern.
+or into a new array, with the slot read first or not, at block_v 128 and 32: how much of the state kernel's gap
+to copy is its access pattern.
 The question it is for (docs/benchmarks.md, "Still to run"): the state kernel moves its bytes at 93% of copy
 on the H100 (twenty-second session) while the whole step reached about 77% on the H200 (eighteenth).
 """
@@ -40,17 +41,21 @@ H, STEPS = 96, 100
 CEILING = os.environ.get("KDA_PARTS_CEILING", "1") == "1"
 
 
-def stream(s_pool, *, bv, in_place):
+def stream(slots, s_pool, *, bv, in_place, via_slot):
     """The state's traffic with no arithmetic: each [K, bv] tile read, scaled and written back, on the state
     kernel's grid (a program a head and value tile), in place (the pool aliased, as the decode writes it) or into
-    a new array: the ceiling of a kernel that streams the pool in these tiles (2026-12-08)."""
+    a new array, its row's slot read first (the state's address waits on it, as the decode's does) or not: the
+    ceiling of a kernel that streams the pool in these tiles, and what the slot and in place cost (2026-12-08)."""
     n, h, dk, dv = s_pool.shape
-    spec = pl.BlockSpec((None, None, dk, bv), lambda i, j, c: (i, j, 0, c))
-    return pl.pallas_call(
-        lambda s_ref, o_ref: o_ref.__setitem__(Ellipsis, s_ref[...] * 0.999),
-        out_shape=jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype), grid=(n, h, dv // bv), in_specs=[spec],
-        out_specs=spec, input_output_aliases={0: 0} if in_place else {}, name="kda_state_stream",
-        compiler_params=compiler_params(4, 1))(s_pool)
+
+    def kernel(slots_ref, s_ref, o_ref):
+        i, j, c = (pl.program_id(a) for a in range(3))
+        row = slots_ref[i] if via_slot else i
+        o_ref[row, j, :, pl.ds(c * bv, bv)] = s_ref[row, j, :, pl.ds(c * bv, bv)] * 0.999
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype), grid=(n, h, dv // bv),
+                          input_output_aliases={1: 0} if in_place else {}, name="kda_state_stream",
+                          compiler_params=compiler_params(4, 1))(slots, s_pool)
 
 
 def main():
@@ -79,13 +84,15 @@ def main():
             tbps = 2 * n * H * DK * DV * 4 / us / 1e6
             print(f"N = {n}: state, {over}: {us:.1f} us, {tbps:.2f} TB/s ({tbps / copy:.0%} of copy; "
                   f"output and states vs the first: {diff:.1e})", flush=True)
-        for bv in (DV, 32) if CEILING else ():
-            for in_place in (True, False):
-                sm = lambda cp, sp, bv=bv, in_place=in_place: (sp[0, 0, 0], cp, stream(sp, bv=bv, in_place=in_place))
-                us = 1e3 * decode_step_ms(sm, conv_pool, s_pool, STEPS)[0]
-                tbps = 2 * n * H * DK * DV * 4 / us / 1e6
-                print(f"N = {n}: stream ceiling, block_v {bv}, {'in place' if in_place else 'new array'}: {us:.1f} "
-                      f"us, {tbps:.2f} TB/s ({tbps / copy:.0%} of copy)", flush=True)
+        for bv, in_place, via_slot in [(DV, True, True), (DV, True, False), (DV, False, False), (32, True, True),
+                                       (32, False, False)] if CEILING else []:
+            sm = lambda cp, sp, bv=bv, ip=in_place, vs=via_slot: (sp[0, 0, 0], cp,
+                                                                  stream(slots, sp, bv=bv, in_place=ip, via_slot=vs))
+            us = 1e3 * decode_step_ms(sm, conv_pool, s_pool, STEPS)[0]
+            tbps = 2 * n * H * DK * DV * 4 / us / 1e6
+            print(f"N = {n}: stream ceiling, block_v {bv}, {'in place' if in_place else 'new array'}, "
+                  f"{'slot read first' if via_slot else 'no slot'}: {us:.1f} us, {tbps:.2f} TB/s "
+                  f"({tbps / copy:.0%} of copy)", flush=True)
         # the norm of a fixed output, made to depend on the loop's state so that XLA cannot hoist it out
         nm = lambda cp, sp, o_raw=o_raw: (gated_output_norm(o_raw + 0.0 * sp[0, 0, 0, 0], norm_w, gate, 1e-5,
                                                             qkv.dtype), cp, sp)
