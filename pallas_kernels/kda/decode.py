@@ -62,7 +62,11 @@ from pallas_kernels.kda.decode_split import decode_split
 # XLA norm out (dead code in the benchmark's loop); with it (2026-12-06, H100): 164.0 against 165.2 at N = 32,
 # 1226.4 against 1267.0 at N = 256. With both kernels' loads issued first (2026-12-07, H100, one run): 155.9
 # against 157.3 at N = 32, 1191.8 against 1187.1 at N = 256: alike, so SPLIT_FROM stays.
-TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None)
+# state_tma (with split only): the state launch on Mosaic GPU, its tiles brought into shared memory by TMA
+# (`decode_state_tma.py`, jax 0.11): more bytes in flight an SM than registers hold, for the H200, where the
+# Triton state kernel streams at 79-84% of copy. Not yet timed on a GPU (written offline, 2026-12-08).
+TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None,
+              state_tma=False)
 SPLIT_FROM = 32
 
 
@@ -204,6 +208,8 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
         which = "split=True" if t["split"] else f"the value tiles (block_v = {bv})"
         raise ValueError(f"kda_decode kernel: {which} always writes the tails in place; tails_in_place=False "
                          "needs the one-launch whole-V kernel")
+    if t["state_tma"] and not t["split"]:
+        raise ValueError("kda_decode kernel: state_tma is the split launches' state kernel: it needs split=True")
     slots = slots.astype(jnp.int32)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     if t["split"]:

@@ -58,15 +58,15 @@ def _body(slots_ref, lens_ref, pre_ref, s_ref, o_ref, tile, rows, o_smem, row_ba
     wg = plgpu.Layout.WGMMA
     along_k, along_v = wg.reduce(1), wg.reduce(0)
     plgpu.barrier_wait(row_bar)
-    q, k, g = (plgpu.load(rows.at[i], (), layout=along_k) for i in (0, 1, 3))
+    q, k, g = (plgpu.load(rows.at[i], layout=along_k) for i in (0, 1, 3))
     decay = jnp.exp(g)
     by_k = lambda x: jax.lax.broadcast_in_dim(x, (dk, COLS), (0,))  # noqa: E731
     by_v = lambda x: jax.lax.broadcast_in_dim(x, (dk, COLS), (1,))  # noqa: E731
-    beta = plgpu.load(rows.at[4, _cols(0)], (), layout=along_v)  # the row holds beta K times
+    beta = rows[4, 0]  # the row holds beta K times: one is read (as the Triton kernel does)
     for c in range(blocks):
-        v = plgpu.load(rows.at[2, _cols(t * bv + c * COLS)], (), layout=along_v)
+        v = plgpu.load(rows.at[2, _cols(t * bv + c * COLS)], layout=along_v)
         plgpu.barrier_wait(col_bar.at[c])
-        s = plgpu.load(tile.at[c], (), layout=wg) * by_k(decay)  # decode_parts.state_step, column block c
+        s = plgpu.load(tile.at[c], layout=wg) * by_k(decay)  # decode_parts.state_step, column block c
         pred = jnp.sum(s * by_k(k), axis=0)
         s = s + by_k(k) * by_v(beta * (v - pred))
         o_smem[_cols(c * COLS)] = jnp.sum(s * by_k(q), axis=0)
