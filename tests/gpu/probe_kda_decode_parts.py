@@ -13,7 +13,8 @@ num_warps, heads_fastest; default: block_v from KDA_PARTS_BV), its output and st
 tuning's, and its rate given as a share of the copy bandwidth measured in the same run (`timing.copy_tbps`).
 With KDA_PARTS_CEILING=1 (the default), a kernel that only streams the pool on the same grid (`stream`), in place
 or into a new array, with the slot read first or not, at block_v 128 and 32: how much of the state kernel's gap
-to copy is its access pattern.
+to copy is its access pattern; and on jax 0.11 the same through shared memory by TMA (`stream_tma`), the ceiling
+of the Mosaic GPU state kernel (tuning state_tma).
 The question it is for (docs/benchmarks.md, "Still to run"): the state kernel moves its bytes at 93% of copy
 on the H100 (twenty-second session) while the whole step reached about 77% on the H200 (eighteenth).
 """
@@ -32,6 +33,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 
 from pallas_kernels.kda import decode as pdecode  # noqa: E402
 from pallas_kernels.kda.common import compiler_params  # noqa: E402
+from pallas_kernels.kda.decode_state_tma import available as tma_available  # noqa: E402
 from pallas_kernels.kda import decode_split as split  # noqa: E402
 
 NS = [int(n) for n in os.environ.get("KDA_PARTS_N", "32,256").split(",")]
@@ -56,6 +58,28 @@ def stream(slots, s_pool, *, bv, in_place, via_slot):
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype), grid=(n, h, dv // bv),
                           input_output_aliases={1: 0} if in_place else {}, name="kda_state_stream",
                           compiler_params=compiler_params(4, 1))(slots, s_pool)
+
+
+def stream_tma(slots, s_pool, *, bv):
+    """`stream` through shared memory by TMA (the Mosaic GPU state kernel's path, `decode_state_tma.py`): each
+    program reads its row's slot, copies its [K, bv] tile in and straight back out, in place; no register holds
+    it. jax 0.11 (2026-12-08)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    n, h, dk, dv = s_pool.shape
+
+    def body(slots_ref, s_ref, tile, bar):
+        t, j, i = (jax.lax.axis_index(a) for a in ("t", "h", "n"))
+        src = s_ref.at[slots_ref[i], j, :, pl.ds(t * bv, bv)]
+        plgpu.copy_gmem_to_smem(src, tile, bar)
+        plgpu.barrier_wait(bar)
+        plgpu.copy_smem_to_gmem(tile, src)
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(body, out_type=(), grid=(dv // bv, h, n), grid_names=("t", "h", "n"),
+                          scratch_types=[plgpu.SMEM((dk, bv), s_pool.dtype), plgpu.Barrier(num_arrivals=1)])
+    pool = jax.new_ref(s_pool)
+    kernel(slots, pool)
+    return jax.freeze(pool)
 
 
 def main():
@@ -93,6 +117,12 @@ def main():
             print(f"N = {n}: stream ceiling, block_v {bv}, {'in place' if in_place else 'new array'}, "
                   f"{'slot read first' if via_slot else 'no slot'}: {us:.1f} us, {tbps:.2f} TB/s "
                   f"({tbps / copy:.0%} of copy)", flush=True)
+        for bv in (DV, 64, 32) if CEILING and tma_available() else ():
+            sm = lambda cp, sp, bv=bv: (sp[0, 0, 0], cp, stream_tma(slots, sp, bv=bv))
+            us = 1e3 * decode_step_ms(sm, conv_pool, s_pool, STEPS)[0]
+            tbps = 2 * n * H * DK * DV * 4 / us / 1e6
+            print(f"N = {n}: stream ceiling by TMA, block_v {bv}, in place, slot read first: {us:.1f} us, "
+                  f"{tbps:.2f} TB/s ({tbps / copy:.0%} of copy)", flush=True)
         # the norm of a fixed output, made to depend on the loop's state so that XLA cannot hoist it out
         nm = lambda cp, sp, o_raw=o_raw: (gated_output_norm(o_raw + 0.0 * sp[0, 0, 0, 0], norm_w, gate, 1e-5,
                                                             qkv.dtype), cp, sp)
