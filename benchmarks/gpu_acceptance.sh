@@ -4,7 +4,7 @@
 # repository root, with the peer wheels in .whl/ (carried):
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmnpr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): "0p" on an H200 with fla (the KDA decode's loads issued first, timed
-# on an H100 only, and the state kernel on Mosaic GPU, state_tma, never run on a GPU), then "4" on an H200. What
+# on an H100 only, and the Mosaic GPU kernels with the state by TMA, tma, never run on a GPU), then "4" on an H200. What
 # each step measured, and on which card, is in docs/benchmarks.md, one section a session; "1" is the KDA tests
 # (all 37 passed in 313 s on a cold H200).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (steps 0 and r: LIMIT_0a and
@@ -30,12 +30,13 @@ step() {  # name, seconds, command...
   echo "== $name done in $((SECONDS - t0))s" | tee -a "$OUT/$name.txt"
 }
 
-case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check and the Mosaic GPU state kernel
-  # included), then the default, the one launch and the split with the state kernel on Mosaic GPU (state_tma, TMA
-  # tiles through shared memory; KDA_DECODE_CANDIDATES, JSON) at N = 1, 32, 256 with fla
+case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check and the Mosaic GPU kernels
+  # included), then the default, the one launch, and the Mosaic GPU kernels with the state by TMA through shared
+  # memory (tma: one launch, split whole V and in tiles of 64 and 32; KDA_DECODE_CANDIDATES, JSON) at N = 1, 32,
+  # 256 with fla
   [ -n "${KDA_DECODE_CANDIDATES:-}" ] || \
-    KDA_DECODE_CANDIDATES='[{}, {"split": false}, {"split": true, "state_tma": true},
-      {"split": true, "state_tma": true, "block_v": 64}, {"split": true, "state_tma": true, "block_v": 32}]'
+    KDA_DECODE_CANDIDATES='[{}, {"split": false}, {"tma": true, "split": false}, {"tma": true, "split": true},
+      {"tma": true, "split": true, "block_v": 64}, {"tma": true, "split": true, "block_v": 32}]'
   XLA_FLAGS=--xla_gpu_autotune_level=0 step 0-kda-decode-tests ${LIMIT_0a:-200} \
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k decode
   step 0-kda-decode-bench ${LIMIT_0b:-360} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
@@ -45,10 +46,10 @@ case $STEPS in *p*)  # the split KDA decode's launches alone (prologue, state ke
   # with the copy bandwidth of the same run, the XLA norm) at N = 32 and 256, and a kernel that only streams the
   # pool on the state kernel's grid (in place or not, the slot read first or not): why the H200 reads less of its
   # copy. The Triton default and block_v 32 (the best two on the H200, thirty-sixth session), against the state
-  # kernel on Mosaic GPU (state_tma: the tile through shared memory by TMA, not held in registers) at whole V, 64
+  # kernel on Mosaic GPU (tma: the tile through shared memory by TMA, not held in registers) at whole V, 64
   # and 32 columns a program
-  [ -n "${KDA_PARTS_STATE:-}" ] || KDA_PARTS_STATE='[{}, {"block_v": 32}, {"state_tma": true},
-    {"state_tma": true, "block_v": 64}, {"state_tma": true, "block_v": 32}]'
+  [ -n "${KDA_PARTS_STATE:-}" ] || KDA_PARTS_STATE='[{}, {"block_v": 32}, {"tma": true},
+    {"tma": true, "block_v": 64}, {"tma": true, "block_v": 32}]'
   export KDA_PARTS_STATE; step p-kda-decode-parts ${LIMIT_p:-300} python3 -u tests/gpu/probe_kda_decode_parts.py ;;
 esac
 case $STEPS in *n*)  # tail tiles narrowed to their used slots, run widest first: the narrow GPU tests, then the

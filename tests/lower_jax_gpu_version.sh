@@ -5,7 +5,7 @@
 # 3.12, which pyenv has on these machines. Run from the repository root before spending device time on a kernel
 # change:
 #     bash tests/lower_jax_gpu_version.sh   # the lowering tests (test_moe_wgmma.py, test_cuda_lowering.py), slow too,
-#                                           # and test_kda_state_tma.py (its kernel needs 0.11's interpreter)
+#                                           # and test_kda_tma.py (its kernels need 0.11's interpreter)
 #     bash tests/lower_jax_gpu_version.sh -k 'lower and routed'   # pytest arguments; a -k replaces the default's
 # The venv is made once in $VENV (default /tmp/v312, about 2 minutes).
 set -eu
@@ -25,4 +25,4 @@ fi
 "$VENV/bin/python" -c "import jax, sys; v = jax.__version__; print('jax', v); sys.exit(v != '$JAX_VERSION')" \
   || { echo "$VENV has another jax; remove it or set VENV" >&2; exit 1; }
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
-  tests/test_moe_wgmma.py tests/test_cuda_lowering.py tests/test_kda_state_tma.py -k "lower or state_tma" "$@"
+  tests/test_moe_wgmma.py tests/test_cuda_lowering.py tests/test_kda_tma.py -k "lower or kda_tma" "$@"

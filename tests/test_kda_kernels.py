@@ -295,6 +295,12 @@ DECODE_CASES = [(D, None), (128, None), (128, dict(tails_in_place=False, heads_f
                          ids=["d32-whole", "d128-whole", "d128-tails-scattered", "d128-bv32", "d128-bv64",
                               "d128-split", "d128-split-bv32"])
 def test_decode_kernel_matches_op_and_reference(d, tuning):
+    check_decode(d, tuning)
+
+
+def check_decode(d, tuning):
+    """kda_decode with `tuning` against the pure op (inactive rows' and unnamed slots' states and tails bit for
+    bit) and float64 NumPy, one step of four rows, one inactive."""
     rng = np.random.default_rng(605)
     n, pool = 4, 7
     x = decode_inputs(rng, n, pool, d=d)

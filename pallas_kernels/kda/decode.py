@@ -44,6 +44,7 @@ from pallas_kernels.kda.decode_parts import head_loads as _head_loads
 from pallas_kernels.kda.decode_parts import head_prologue as _head_prologue
 from pallas_kernels.kda.decode_parts import state_step as _state_step
 from pallas_kernels.kda.decode_split import decode_split
+from pallas_kernels.kda.decode_tma import decode_tma
 
 # block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29).
 # tails_in_place (None or True: in place): the kernel writes the new conv tails into their slots of the aliased
@@ -62,11 +63,12 @@ from pallas_kernels.kda.decode_split import decode_split
 # XLA norm out (dead code in the benchmark's loop); with it (2026-12-06, H100): 164.0 against 165.2 at N = 32,
 # 1226.4 against 1267.0 at N = 256. With both kernels' loads issued first (2026-12-07, H100, one run): 155.9
 # against 157.3 at N = 32, 1191.8 against 1187.1 at N = 256: alike, so SPLIT_FROM stays.
-# state_tma (with split only): the state launch on Mosaic GPU, its tiles brought into shared memory by TMA
-# (`decode_state_tma.py`, jax 0.11): more bytes in flight an SM than registers hold, for the H200, where the
-# Triton state kernel streams at 79-84% of copy. Not yet timed on a GPU (written offline, 2026-12-08).
+# tma: the state through shared memory by TMA on Mosaic GPU (`decode_tma.py`, jax 0.11): with split the state
+# launch, without it the whole step in one launch (whole V, the tails in place), its prologue computed while the
+# state arrives. More bytes in flight an SM than registers hold, for the H200, where the Triton state kernel
+# streams at 79-84% of copy. Not yet timed on a GPU (written offline, 2026-12-08).
 TUNING = dict(num_warps=4, num_stages=1, block_v=None, tails_in_place=None, heads_fastest=True, split=None,
-              state_tma=False)
+              tma=False)
 SPLIT_FROM = 32
 
 
@@ -208,10 +210,16 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
         which = "split=True" if t["split"] else f"the value tiles (block_v = {bv})"
         raise ValueError(f"kda_decode kernel: {which} always writes the tails in place; tails_in_place=False "
                          "needs the one-launch whole-V kernel")
-    if t["state_tma"] and not t["split"]:
-        raise ValueError("kda_decode kernel: state_tma is the split launches' state kernel: it needs split=True")
     slots = slots.astype(jnp.int32)
     lb = float(lower_bound) if lower_bound is not None else 0.0
+    if t["tma"] and not t["split"]:
+        if bv < dv or not in_place:
+            raise ValueError("kda_decode kernel: tma in one launch takes whole V with the tails in place (block_v "
+                             f"None, tails_in_place not False), got block_v {t['block_v']}, tails_in_place "
+                             f"{t['tails_in_place']}; value tiles are the split launches' (split=True)")
+        return decode_tma(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr,
+                          eps=float(eps), lower_bound=lb, gate_on=a_log is not None, qk_norm=qk_norm,
+                          heads_fastest=t["heads_fastest"], interpret=resolve_interpret(interpret))
     if t["split"]:
         return decode_split(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, lens, a_log_arr, bv=bv,
                             eps=float(eps), tuning=t, interpret=resolve_interpret(interpret), lower_bound=lb,

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plt
 from kimik3_jax.ops.kda import gated_output_norm
 from pallas_kernels.kda.common import compiler_params
 from pallas_kernels.kda.decode_parts import grid, head_inputs, head_loads, state_step
-from pallas_kernels.kda.decode_state_tma import state_tma
+from pallas_kernels.kda.decode_tma import state_tma
 
 PRE_ROWS = 5  # q, k, v, g, beta
 
@@ -78,9 +78,9 @@ def prologue(qkv, conv_w, conv_pool, slots, g, beta, lens, a_log_arr, *, dk, tun
 
 
 def state(slots, lens, pre, s_pool, *, bv, tuning, interpret):
-    """Launch 2: -> (the un-normed output [N, H, V] fp32, s_pool updated in place). With tuning["state_tma"],
-    the Mosaic GPU kernel of `decode_state_tma.py` (jax 0.11)."""
-    if tuning.get("state_tma"):
+    """Launch 2: -> (the un-normed output [N, H, V] fp32, s_pool updated in place). With tuning["tma"], the
+    Mosaic GPU kernel of `decode_tma.py` (jax 0.11)."""
+    if tuning.get("tma"):
         return state_tma(slots, lens, pre, s_pool, bv=bv, heads_fastest=tuning["heads_fastest"],
                          interpret=interpret)
     nb, nh = pre.shape[:2]

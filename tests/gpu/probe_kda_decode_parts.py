@@ -14,7 +14,7 @@ tuning's, and its rate given as a share of the copy bandwidth measured in the sa
 With KDA_PARTS_CEILING=1 (the default), a kernel that only streams the pool on the same grid (`stream`), in place
 or into a new array, with the slot read first or not, at block_v 128 and 32: how much of the state kernel's gap
 to copy is its access pattern; and on jax 0.11 the same through shared memory by TMA (`stream_tma`), the ceiling
-of the Mosaic GPU state kernel (tuning state_tma).
+of the Mosaic GPU state kernel (tuning tma).
 The question it is for (docs/benchmarks.md, "Still to run"): the state kernel moves its bytes at 93% of copy
 on the H100 (twenty-second session) while the whole step reached about 77% on the H200 (eighteenth).
 """
@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 
 from pallas_kernels.kda import decode as pdecode  # noqa: E402
 from pallas_kernels.kda.common import compiler_params  # noqa: E402
-from pallas_kernels.kda.decode_state_tma import available as tma_available  # noqa: E402
+from pallas_kernels.kda.decode_tma import available as tma_available  # noqa: E402
 from pallas_kernels.kda import decode_split as split  # noqa: E402
 
 NS = [int(n) for n in os.environ.get("KDA_PARTS_N", "32,256").split(",")]
@@ -61,7 +61,7 @@ def stream(slots, s_pool, *, bv, in_place, via_slot):
 
 
 def stream_tma(slots, s_pool, *, bv):
-    """`stream` through shared memory by TMA (the Mosaic GPU state kernel's path, `decode_state_tma.py`): each
+    """`stream` through shared memory by TMA (the Mosaic GPU state kernel's path, `decode_tma.py`): each
     program reads its row's slot, copies its [K, bv] tile in and straight back out, in place; no register holds
     it. jax 0.11 (2026-12-08)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu

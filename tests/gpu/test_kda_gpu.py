@@ -111,8 +111,7 @@ def decode_case(n, h=96, w=4):
 DECODE_TUNINGS = {"whole": None, "one-launch": dict(split=False), "tails-scattered": dict(tails_in_place=False),
                   "bv32": dict(block_v=32, num_warps=4), "bv64-2w": dict(block_v=64, num_warps=2),
                   "whole-sequences-fastest": dict(heads_fastest=False), "split-bv32": dict(split=True, block_v=32),
-                  "state-tma": dict(split=True, state_tma=True), "state-tma-bv64": dict(split=True, state_tma=True,
-                                                                                       block_v=64)}
+                  "tma": dict(tma=True), "tma-split-bv64": dict(tma=True, split=True, block_v=64)}
 # "one-launch" only where the default splits: below SPLIT_FROM rows the default is that kernel already
 DECODE_CASES = [pytest.param(n, t, id=f"{name}-{n}") for name, t in DECODE_TUNINGS.items() for n in (1, 32, 256)
                 if name != "one-launch" or n >= SPLIT_FROM]
@@ -123,7 +122,8 @@ def test_decode_matches_reference(n, tuning):
     """None: whole V per program with the conv tails in place, heads fastest (the default: split from
     SPLIT_FROM rows on); the one-launch whole-V kernel where the default splits; the whole-V kernel with the
     tails scattered after it, and with sequences fastest; value tiles; the split launches (prologue kernel,
-    state kernel in value tiles, the norm by XLA), also with the state kernel on Mosaic GPU (state_tma)."""
+    state kernel in value tiles, the norm by XLA); the Mosaic GPU kernels with the state by TMA (tma: one launch
+    below SPLIT_FROM rows, the split's state kernel from there; and split in value tiles of 64)."""
     args, kw = decode_case(n)
     o, c, s = jax.jit(lambda *a: kda_decode(*a, tuning=tuning, **kw))(*args)
     # The state is at bf16 level, not fp32: the op rounds the conv + SiLU output to bf16 (as the layer
