@@ -12,6 +12,7 @@ import pytest
 from cuda_lowering import lower_for_cuda
 from test_kda_kernels import BF16_RTOL, LB, STATE_RTOL, H, assert_close, check_decode, decode_inputs
 
+from kimik3_jax.ops import impl as impl_mod
 from kimik3_jax.ops.impl import Unsupported
 from pallas_kernels.kda import decode_split as split
 from pallas_kernels.kda.decode import TUNING, kda_decode
@@ -128,8 +129,13 @@ def test_bad_asks_are_refused_by_name():
     rng = np.random.default_rng(719)
     x = decode_inputs(rng, 2, 4, d=64)
     for tuning in (dict(tma=True, split=False, block_v=32), dict(tma=True, split=False, tails_in_place=False)):
-        with pytest.raises(ValueError, match="tma in one launch takes whole V with the tails in place"):
+        with pytest.raises(ValueError, match="tma in one launch takes whole V with the tails in place"
+                           if available() else REFUSED):
             kda_decode(*x.values(), eps=1e-5, interpret=True, tuning=tuning)
+    # before any work, so that impl="auto" falls back: K = 32 is not a multiple of 64 (or this jax is 0.10)
+    with pytest.raises(Unsupported, match="a multiple of 64" if available() else REFUSED):
+        impl_mod.kernel("kda_decode").supports(*decode_inputs(rng, 2, 4, d=32).values(), eps=1e-5,
+                                               tuning=dict(tma=True))
     slots, lens, pre, s = state_inputs(rng)
     for bad, match in ((dict(bv=16), "multiple of 32 dividing V"), (dict(bv=32, s=s.astype(jnp.bfloat16)),
                                                                     "fp32 state pools")):

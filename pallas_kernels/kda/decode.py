@@ -44,6 +44,7 @@ from pallas_kernels.kda.decode_parts import head_loads as _head_loads
 from pallas_kernels.kda.decode_parts import head_prologue as _head_prologue
 from pallas_kernels.kda.decode_parts import state_step as _state_step
 from pallas_kernels.kda.decode_split import decode_split
+from pallas_kernels.kda.decode_tma import check as tma_check
 from pallas_kernels.kda.decode_tma import decode_tma
 
 # block_v None: whole V per program. 4 warps: 1.7x faster than 8 at N = 32, H = 96 on the H200 (2026-11-29).
@@ -187,6 +188,9 @@ def supports(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, ep
         raise Unsupported(f"kda_decode kernel: qkv {qkv.shape} does not hold H*K = {s_pool.shape[1] * dk} channels")
     if a_log is not None and lower_bound is None:
         raise Unsupported("kda_decode kernel: a_log given without lower_bound")
+    t = dict(TUNING, **(tuning or {}))
+    if t["tma"]:  # the Mosaic GPU kernels: jax 0.11, fp32 pools, K = V a multiple of 64
+        tma_check(s_pool, dk, block_v_of(t, dv))
 
 
 @register("kda_decode", supports)
@@ -196,7 +200,7 @@ def kda_decode(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, *, 
     `interpret` (None: interpret unless on a GPU) and `tuning` (overrides of TUNING). The state pool is
     updated in place when the caller donates it (under jit, without donation XLA copies it first)."""
     supports(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, eps=eps, a_log=a_log,
-             lower_bound=lower_bound)
+             lower_bound=lower_bound, tuning=tuning)
     t = dict(TUNING, **(tuning or {}))
     nb = qkv.shape[0]
     nh = s_pool.shape[1]

@@ -141,7 +141,8 @@ def _decode_body(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, g_ref, b_ref, ga
     plgpu.wait_smem_to_gmem(0)
 
 
-def _check(s_pool, dk, bv):
+def check(s_pool, dk, bv):
+    """Raises Unsupported unless this jax runs the kernels on this pool at value tiles of bv."""
     if not available():
         raise Unsupported(f"kda_decode kernel: tma needs jax >= 0.11 (Mosaic GPU kernels that update a pool in "
                           f"place), this is jax {jax.__version__}")
@@ -169,7 +170,7 @@ def state_tma(slots, lens, pre, s_pool, *, bv, heads_fastest=True, interpret=Fal
     slots, lens: [N] int32; pre: [N, H, 5, K] fp32 (`decode_split.prologue`); s_pool: [P, H, K, V] fp32; bv:
     the value columns a program takes, a multiple of 32 dividing V. interpret: the Mosaic GPU interpreter."""
     nb, nh, rows, dk = pre.shape
-    _check(s_pool, dk, bv)
+    check(s_pool, dk, bv)
     if jnp.dtype(pre.dtype) != jnp.float32 or rows != PRE_ROWS:
         raise Unsupported(f"kda_decode kernel: tma's state launch takes the prologue's fp32 rows [N, H, "
                           f"{PRE_ROWS}, K], got {pre.shape} {jnp.dtype(pre.dtype)}")
@@ -189,7 +190,7 @@ def decode_tma(qkv, conv_w, conv_pool, s_pool, slots, g, beta, gate, norm_w, len
     """The whole step in one launch: -> (o [N, H, V] in qkv's dtype, conv_pool, s_pool), both pools updated in
     place; the arguments as `decode.kda_decode` passes them to its kernels."""
     nb, nh, dk = g.shape
-    _check(s_pool, dk, s_pool.shape[-1])
+    check(s_pool, dk, s_pool.shape[-1])
     grid, names = _grid(nb, nh, heads_fastest)
     kernel = plgpu.kernel(
         functools.partial(_decode_body, lower_bound=lower_bound, gate=gate_on, qk_norm=qk_norm, eps=eps),
