@@ -5,8 +5,8 @@
 #     bash benchmarks/gpu_acceptance.sh [steps]      # steps: any of 0123456789cdkmnpr (default 1234), e.g. "13", "25", "4"
 # Next (docs/benchmarks.md, "Still to run"): "0", then "p", on an H200 with fla, two calls (the KDA decode's loads
 # issued first, timed on an H100 only, and the Mosaic GPU kernels with the state by TMA, tma, never run on a GPU),
-# then "4" on an H200. What each step measured, and on which card, is in docs/benchmarks.md, one section a session; "1" is the KDA tests
-# (all 37 passed in 313 s on a cold H200).
+# then "4" on an H200. What each step measured, and on which card, is in docs/benchmarks.md, one section a
+# session; "1" is the KDA tests (all 37 passed in 313 s on a cold H200).
 # A step's time limit can be changed with LIMIT_<step>=seconds, e.g. LIMIT_1=360 (steps 0 and r: LIMIT_0a and
 # LIMIT_ra for their tests, LIMIT_0b and LIMIT_r for the rest); step 2's shapes with SHAPES_2.
 # Writes $OUT/<step>.txt (and the benchmarks' JSON). pytest prints each test's duration, so the next run
