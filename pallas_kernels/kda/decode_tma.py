@@ -155,8 +155,10 @@ def check(s_pool, dk, bv):
 
 
 def _grid(nb, nh, heads_fastest, tiles=()):
-    names, sizes = (("h", "n"), (nh, nb)) if heads_fastest else (("n", "h"), (nb, nh))
-    return tuple(tiles) + sizes, ("t",) * len(tiles) + names
+    """(grid, names): a row's heads next to each other (heads_fastest) or a head's rows, a head's value tiles
+    next to each other. Mosaic GPU runs the last axis fastest (the Triton grids of `decode_parts.grid` the first)."""
+    names, sizes = (("n", "h"), (nb, nh)) if heads_fastest else (("h", "n"), (nh, nb))
+    return sizes + tuple(tiles), names + ("t",) * len(tiles)
 
 
 def _scratch(dk, bv):

@@ -75,7 +75,7 @@ def stream_tma(slots, s_pool, *, bv):
         plgpu.copy_smem_to_gmem(tile, src)
         plgpu.wait_smem_to_gmem(0)
 
-    kernel = plgpu.kernel(body, out_type=(), grid=(dv // bv, h, n), grid_names=("t", "h", "n"),
+    kernel = plgpu.kernel(body, out_type=(), grid=(n, h, dv // bv), grid_names=("n", "h", "t"),  # last fastest
                           scratch_types=[plgpu.SMEM((dk, bv), s_pool.dtype), plgpu.Barrier(num_arrivals=1)])
     pool = jax.new_ref(s_pool)
     kernel(slots, pool)
