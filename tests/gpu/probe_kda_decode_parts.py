@@ -51,11 +51,11 @@ def stream(slots, s_pool, *, bv, in_place, via_slot):
     n, h, dk, dv = s_pool.shape
 
     def kernel(slots_ref, s_ref, o_ref):
-        i, j, c = (pl.program_id(a) for a in range(3))
+        c, j, i = (pl.program_id(a) for a in range(3))  # the state kernel's order: tiles, then heads, fastest
         row = slots_ref[i] if via_slot else i
         o_ref[row, j, :, pl.ds(c * bv, bv)] = s_ref[row, j, :, pl.ds(c * bv, bv)] * 0.999
 
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype), grid=(n, h, dv // bv),
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(s_pool.shape, s_pool.dtype), grid=(dv // bv, h, n),
                           input_output_aliases={1: 0} if in_place else {}, name="kda_state_stream",
                           compiler_params=compiler_params(4, 1))(slots, s_pool)
 
