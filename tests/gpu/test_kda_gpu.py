@@ -111,10 +111,11 @@ def decode_case(n, h=96, w=4):
 DECODE_TUNINGS = {"whole": None, "one-launch": dict(split=False), "tails-scattered": dict(tails_in_place=False),
                   "bv32": dict(block_v=32, num_warps=4), "bv64-2w": dict(block_v=64, num_warps=2),
                   "whole-sequences-fastest": dict(heads_fastest=False), "split-bv32": dict(split=True, block_v=32),
-                  "tma": dict(tma=True), "tma-split-bv64": dict(tma=True, split=True, block_v=64)}
-# "one-launch" only where the default splits: below SPLIT_FROM rows the default is that kernel already
+                  "tma": dict(tma=True), "tma-one-launch": dict(tma=True, split=False),
+                  "tma-split-bv64": dict(tma=True, split=True, block_v=64)}
+# the one-launch cases only where the default splits: below SPLIT_FROM rows the default is that kernel already
 DECODE_CASES = [pytest.param(n, t, id=f"{name}-{n}") for name, t in DECODE_TUNINGS.items() for n in (1, 32, 256)
-                if name != "one-launch" or n >= SPLIT_FROM]
+                if not name.endswith("one-launch") or n >= SPLIT_FROM]
 
 
 @pytest.mark.parametrize("n,tuning", DECODE_CASES)
