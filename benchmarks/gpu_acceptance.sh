@@ -37,9 +37,9 @@ case $STEPS in *0*)  # KDA decode: its GPU tests (the value tiles' race check an
   [ -n "${KDA_DECODE_CANDIDATES:-}" ] || \
     KDA_DECODE_CANDIDATES='[{}, {"split": false}, {"tma": true, "split": false}, {"tma": true, "split": true},
       {"tma": true, "split": true, "block_v": 64}, {"tma": true, "split": true, "block_v": 32}]'
-  XLA_FLAGS=--xla_gpu_autotune_level=0 step 0-kda-decode-tests ${LIMIT_0a:-200} \
+  XLA_FLAGS=--xla_gpu_autotune_level=0 step 0-kda-decode-tests ${LIMIT_0a:-260} \
     python3 -m pytest -q -rf --tb=line --durations=0 -p no:cacheprovider -W ignore tests/gpu/test_kda_gpu.py -k decode
-  step 0-kda-decode-bench ${LIMIT_0b:-360} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
+  step 0-kda-decode-bench ${LIMIT_0b:-320} python3 -u benchmarks/kda.py --only decode --json "$OUT/kda_decode.json" \
     --decode-tunings "$KDA_DECODE_CANDIDATES" ;;
 esac
 case $STEPS in *p*)  # the split KDA decode's launches alone (prologue, state kernel at KDA_PARTS_STATE's tunings
