@@ -362,28 +362,31 @@ def test_decode_value_split_equals_whole_v_and_checks_block_v():
 
 @pytest.mark.parametrize("block_v", [None, 16])
 def test_decode_split_equals_fused_over_steps(block_v):
-    """The split launches against the fused whole-V kernel over three steps on the same pools (each step's
-    pools fed to the next, one row inactive in the second): states to fp32 rounding, tails exactly, outputs
-    at bf16 level, and slots no row names untouched."""
-    rng = np.random.default_rng(611)
+    check_over_steps(dict(split=True, block_v=block_v), np.random.default_rng(611))
+
+
+def check_over_steps(tuning, rng):
+    """kda_decode with `tuning` against the fused whole-V kernel (the one launch) over three steps on the same
+    pools (each step's pools fed to the next, one row inactive in the second): states to fp32 rounding, tails
+    exactly, outputs at bf16 level, and slots no row names untouched."""
     x = decode_inputs(rng, 3, 6, d=64)
     kw = dict(eps=1e-5, lower_bound=LB, a_log=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32))
-    fused, split = dict(x), dict(x)
+    fused, other = dict(x), dict(x)
     for step, lens in enumerate(([1, 1, 1], [1, 0, 1], [1, 1, 1])):
         new = decode_inputs(rng, 3, 6, d=64)  # this step's token: fresh projections, gate, beta
         for name in ("qkv", "g", "beta", "gate"):
-            fused[name] = split[name] = new[name]
+            fused[name] = other[name] = new[name]
         lengths = jnp.asarray(lens, jnp.int32)
-        o, fused["conv_pool"], fused["s_pool"] = kda_decode(*fused.values(), interpret=True, lengths=lengths, **kw)
-        o2, split["conv_pool"], split["s_pool"] = kda_decode(*split.values(), interpret=True, lengths=lengths,
-                                                             tuning=dict(split=True, block_v=block_v), **kw)
-        assert_close(o2, o, BF16_RTOL, axis=-1, what=f"step {step} split vs fused output")
-        assert_close(split["s_pool"], fused["s_pool"], STATE_RTOL, axis=(-2, -1), what=f"step {step} state")
-        np.testing.assert_array_equal(np.asarray(split["conv_pool"], np.float32),
+        o, fused["conv_pool"], fused["s_pool"] = kda_decode(*fused.values(), interpret=True, lengths=lengths,
+                                                            tuning=dict(split=False), **kw)
+        o2, other["conv_pool"], other["s_pool"] = kda_decode(*other.values(), interpret=True, lengths=lengths,
+                                                             tuning=tuning, **kw)
+        assert_close(o2, o, BF16_RTOL, axis=-1, what=f"step {step} {tuning} vs fused output")
+        assert_close(other["s_pool"], fused["s_pool"], STATE_RTOL, axis=(-2, -1), what=f"step {step} state")
+        np.testing.assert_array_equal(np.asarray(other["conv_pool"], np.float32),
                                       np.asarray(fused["conv_pool"], np.float32))
     untouched = np.setdiff1d(np.arange(6), np.asarray(x["slots"]))
-    np.testing.assert_array_equal(np.asarray(split["s_pool"])[untouched], np.asarray(x["s_pool"])[untouched])
-
+    np.testing.assert_array_equal(np.asarray(other["s_pool"])[untouched], np.asarray(x["s_pool"])[untouched])
 
 
 def test_decode_default_splits_from_split_from(monkeypatch):

@@ -11,6 +11,8 @@ from jax.experimental import pallas as pl
 
 from kimik3_jax.ops.kda import L2_EPS
 
+PRE_ROWS = 5  # the split prologue's rows a (sequence, head): q, k, v, g, beta (repeated along its row)
+
 
 def grid(nb: int, nh: int, heads_fastest: bool, tiles: tuple = ()):
     """The launch grid (`tiles` first, then rows and heads in the order asked for) and the kernel's

@@ -25,10 +25,8 @@ from jax.experimental.pallas import triton as plt
 
 from kimik3_jax.ops.kda import gated_output_norm
 from pallas_kernels.kda.common import compiler_params
-from pallas_kernels.kda.decode_parts import grid, head_inputs, head_loads, state_step
+from pallas_kernels.kda.decode_parts import PRE_ROWS, grid, head_inputs, head_loads, state_step
 from pallas_kernels.kda.decode_tma import state_tma
-
-PRE_ROWS = 5  # q, k, v, g, beta
 
 
 def _prologue_kernel(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, conv_ref, g_ref, b_ref, pre_ref, tails_out, *,

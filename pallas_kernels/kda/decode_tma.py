@@ -37,9 +37,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimik3_jax.ops.impl import Unsupported
 from kimik3_jax.ops.kda import L2_EPS
+from pallas_kernels.kda.decode_parts import PRE_ROWS
 
 COLS = 32  # a block's columns: 128 bytes of fp32, one row of the 128-byte swizzle
-PRE_ROWS = 5  # q, k, v, g, beta (decode_split.PRE_ROWS)
 
 
 def available() -> bool:
