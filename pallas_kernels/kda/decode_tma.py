@@ -52,6 +52,13 @@ def _cols(start, size=COLS):
     return pl.ds(start, size)
 
 
+def _drain():
+    """Before the program exits: its stores have read their shared memory (which the next program on the SM
+    takes). Their writes to memory are not waited for, as CUTLASS's TMA epilogues do: the launch's end makes
+    them visible, and a program that waited for them would hold its 64 KB of shared memory for a round trip."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _fetch_state(s_ref, tile, bars, slot, h, col0):
     """Issue the copies of the state's column blocks [K, 32] at col0, each on its own barrier."""
     for c in range(tile.shape[0]):
@@ -95,7 +102,7 @@ def _state_body(slots_ref, lens_ref, pre_ref, s_ref, o_ref, tile, rows, o_smem, 
     plgpu.commit_smem()
     _recurrence(s_ref, tile, bars, rows, o_smem, slot=slot, h=h, col0=t * bv, beta=beta, active=active)
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, _cols(t * bv, bv)])
-    plgpu.wait_smem_to_gmem(0)  # the buffers stay until the last store has read them
+    _drain()
 
 
 def _decode_body(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, g_ref, b_ref, gate_ref, nw_ref, conv_ref, s_ref,
@@ -138,7 +145,7 @@ def _decode_body(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, g_ref, b_ref, ga
     o = load(o_smem)  # decode_parts.gated_norm
     o = o * jax.lax.rsqrt(jnp.sum(o * o) / dk + eps) * load(nw_ref).astype(f32)
     o_ref.at[n, h][...] = (o * jax.nn.sigmoid(load(gate_ref.at[n, h]).astype(f32))).astype(o_ref.dtype)
-    plgpu.wait_smem_to_gmem(0)
+    _drain()
 
 
 def check(s_pool, dk, bv):

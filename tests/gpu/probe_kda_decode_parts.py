@@ -73,7 +73,7 @@ def stream_tma(slots, s_pool, *, bv):
         plgpu.copy_gmem_to_smem(src, tile, bar)
         plgpu.barrier_wait(bar)
         plgpu.copy_smem_to_gmem(tile, src)
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # as decode_tma's kernels exit
 
     kernel = plgpu.kernel(body, out_type=(), grid=(n, h, dv // bv), grid_names=("n", "h", "t"),  # last fastest
                           scratch_types=[plgpu.SMEM((dk, bv), s_pool.dtype), plgpu.Barrier(num_arrivals=1)])
