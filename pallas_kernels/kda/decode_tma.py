@@ -113,16 +113,23 @@ def _decode_body(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, g_ref, b_ref, ga
     f32 = jnp.float32
     one = plgpu.Layout.WG_STRIDED((dk,), 1)  # a [K] vector, an element a thread
     load = lambda ref: plgpu.load(ref, layout=one)  # noqa: E731
-    slot = slots_ref[n]
-    _fetch_state(s_ref, tile, bars, slot, h, 0)  # first: the prologue runs while the state arrives
-    active = lens_ref[n] > 0
     chans = pl.ds(h * dk, dk)
+    slot, active = slots_ref[n], lens_ref[n] > 0
+    # Every load that does not wait on the slot is issued with it, so that their latency runs under the slot's
+    # round trip; then the state's copies (the slot's first use), then the slot's conv tails. The prologue
+    # computes while the state arrives.
+    new = [load(qkv_ref.at[n, j, chans]) for j in range(3)]
+    taps = [[load(w_ref.at[j, chans, r]) for r in range(width)] for j in range(3)]
+    g, b, gate_row, nw = load(g_ref.at[n, h]), b_ref[n, h], load(gate_ref.at[n, h]), load(nw_ref)
+    a_log = alog_ref[h] if gate else None
+    _fetch_state(s_ref, tile, bars, slot, h, 0)
+    tails = [[load(conv_ref.at[slot, j, r, chans]) for r in range(width - 1)] for j in range(3)]
     ys = []
     for j in range(3):  # decode_parts.head_inputs: conv + SiLU, rounded to the activations' dtype
-        hist = [load(conv_ref.at[slot, j, r, chans]) for r in range(width - 1)] + [load(qkv_ref.at[n, j, chans])]
+        hist = tails[j] + [new[j]]
         y = jnp.zeros((dk,), f32)
-        for r, x in enumerate(hist):
-            y = y + x.astype(f32) * load(w_ref.at[j, chans, r]).astype(f32)
+        for x, w in zip(hist, taps[j]):
+            y = y + x.astype(f32) * w.astype(f32)
         ys.append(jax.nn.silu(y).astype(qkv_ref.dtype).astype(f32))
 
         @pl.when(active)  # the tail moves by one token; an inactive row's is not written (it keeps its tail)
@@ -133,18 +140,18 @@ def _decode_body(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, g_ref, b_ref, ga
     if qk_norm:  # decode_parts.head_prologue
         q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
         k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-    g = load(g_ref.at[n, h]).astype(f32)
+    g = g.astype(f32)
     if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(alog_ref[h].astype(f32)) * g)
+        g = lower_bound * jax.nn.sigmoid(jnp.exp(a_log.astype(f32)) * g)
     on = active.astype(f32)  # an inactive row: g = 0 and beta = 0 (its state stays as it is)
-    g, beta = g * on, b_ref[n, h].astype(f32) * on
+    g, beta = g * on, b.astype(f32) * on
     for i, x in enumerate((q, k, v, jnp.exp(g))):
         rows[i, :] = x
     plgpu.commit_smem()
     _recurrence(s_ref, tile, bars, rows, o_smem, slot=slot, h=h, col0=0, beta=beta, active=active)
     o = load(o_smem)  # decode_parts.gated_norm
-    o = o * jax.lax.rsqrt(jnp.sum(o * o) / dk + eps) * load(nw_ref).astype(f32)
-    o_ref.at[n, h][...] = (o * jax.nn.sigmoid(load(gate_ref.at[n, h]).astype(f32))).astype(o_ref.dtype)
+    o = o * jax.lax.rsqrt(jnp.sum(o * o) / dk + eps) * nw.astype(f32)
+    o_ref.at[n, h][...] = (o * jax.nn.sigmoid(gate_row.astype(f32))).astype(o_ref.dtype)
     _drain()
 
 
