@@ -42,7 +42,7 @@ def head_prologue(q, k, raw, active, lower_bound, gate, qk_norm):
     g = g.astype(f32)
     if gate:
         g = lower_bound * jax.nn.sigmoid(jnp.exp(a_log.astype(f32)) * g)
-    g = jnp.where(active, g, 0.0)
+    g = jnp.where(jnp.broadcast_to(active, g.shape), g, 0.0)  # explicit: Mosaic GPU does not broadcast
     beta = jnp.where(active, beta.astype(f32), 0.0)
     return q, k, g, beta
 

@@ -17,9 +17,9 @@ the H100); the split's prologue launch is a further 7-8% of the step. Here the t
 to 227 KB an SM) with no register held for it, a program computes on its first columns while the rest are
 still arriving, and each column block is stored as soon as it is done.
 
-The recurrence per block is `decode_parts.state_step`'s (K-vectors broadcast along the columns in WGMMA's
-row layout, the sums over K reduced to the columns'); the prologue is `decode_parts.head_inputs`'s and the
-norm `decode_parts.gated_norm`'s, one element a thread. An inactive row's state and tails are not written.
+The arithmetic is the Triton kernels', by the same functions of `decode_parts`: `state_step` per block (the
+state in WGMMA's layout, q, k and g in its row layout), `conv_silu` and `head_prologue` for the prologue and
+`gated_norm` for the output, one element a thread. An inactive row's state and tails are not written.
 
 Needs jax 0.11 (the GPU machine's): `plgpu.kernel` with the pools passed as mutable references (its custom call
 aliases them: updated in place) and the Mosaic GPU interpreter for the CPU tests; under jax 0.10 it raises
@@ -36,8 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimik3_jax.ops.impl import Unsupported
-from kimik3_jax.ops.kda import L2_EPS
-from pallas_kernels.kda.decode_parts import PRE_ROWS
+from pallas_kernels.kda.decode_parts import PRE_ROWS, conv_silu, gated_norm, head_prologue, state_step
 
 COLS = 32  # a block's columns: 128 bytes of fp32, one row of the 128-byte swizzle
 
@@ -67,22 +66,15 @@ def _fetch_state(s_ref, tile, bars, slot, h, col0):
 
 def _recurrence(s_ref, tile, bars, rows, o_smem, *, slot, h, col0, beta, active):
     """`decode_parts.state_step` on the tile's blocks as they arrive: rows holds q, k, v (from column 0 of the
-    state's V) and the decay e^g in rows 0, 1, 2 and 3; each new block is stored by TMA (an active row only)
-    and its output slice written to o_smem."""
-    dk = tile.shape[1]
+    state's V) and g in rows 0 to 3; each new block is stored by TMA (an active row only) and its output slice
+    written to o_smem."""
     wg = plgpu.Layout.WGMMA
     along_k, along_v = wg.reduce(1), wg.reduce(0)
-    q, k, decay = (plgpu.load(rows.at[i], layout=along_k) for i in (0, 1, 3))
-    by_k = lambda x: jax.lax.broadcast_in_dim(x, (dk, COLS), (0,))  # noqa: E731
-    by_v = lambda x: jax.lax.broadcast_in_dim(x, (dk, COLS), (1,))  # noqa: E731
+    q, k, g = (plgpu.load(rows.at[i], layout=along_k) for i in (0, 1, 3))
     for c in range(tile.shape[0]):
         v = plgpu.load(rows.at[2, _cols(col0 + c * COLS)], layout=along_v)
         plgpu.barrier_wait(bars.at[c])
-        s = plgpu.load(tile.at[c], layout=wg) * by_k(decay)
-        pred = jnp.sum(s * by_k(k), axis=0)
-        s = s + by_k(k) * by_v(beta * (v - pred))
-        o_smem[_cols(c * COLS)] = jnp.sum(s * by_k(q), axis=0)
-        tile.at[c][...] = s
+        tile.at[c][...], o_smem[_cols(c * COLS)] = state_step(plgpu.load(tile.at[c], layout=wg), q, k, v, g, beta)
         plgpu.commit_smem()
 
         @pl.when(active)  # an inactive row's state is not written at all (another row may hold its slot)
@@ -97,9 +89,7 @@ def _state_body(slots_ref, lens_ref, pre_ref, s_ref, o_ref, tile, rows, o_smem, 
     _fetch_state(s_ref, tile, bars, slot, h, t * bv)
     active = lens_ref[n] > 0
     plgpu.barrier_wait(row_bar)
-    rows[3, :] = jnp.exp(rows[3, :])  # the decay, in place of g
     beta = rows[4, 0]  # the row holds beta K times: one is read (as the Triton kernel does)
-    plgpu.commit_smem()
     _recurrence(s_ref, tile, bars, rows, o_smem, slot=slot, h=h, col0=t * bv, beta=beta, active=active)
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, _cols(t * bv, bv)])
     _drain()
@@ -110,7 +100,6 @@ def _decode_body(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, g_ref, b_ref, ga
     n, h = jax.lax.axis_index("n"), jax.lax.axis_index("h")
     dk = rows.shape[1]
     width = w_ref.shape[-1]
-    f32 = jnp.float32
     one = plgpu.Layout.WG_STRIDED((dk,), 1)  # a [K] vector, an element a thread
     load = lambda ref: plgpu.load(ref, layout=one)  # noqa: E731
     chans = pl.ds(h * dk, dk)
@@ -125,33 +114,21 @@ def _decode_body(slots_ref, lens_ref, alog_ref, qkv_ref, w_ref, g_ref, b_ref, ga
     _fetch_state(s_ref, tile, bars, slot, h, 0)
     tails = [[load(conv_ref.at[slot, j, r, chans]) for r in range(width - 1)] for j in range(3)]
     ys = []
-    for j in range(3):  # decode_parts.head_inputs: conv + SiLU, rounded to the activations' dtype
+    for j in range(3):  # decode_parts.head_inputs, with the tails stored here
         hist = tails[j] + [new[j]]
-        y = jnp.zeros((dk,), f32)
-        for x, w in zip(hist, taps[j]):
-            y = y + x.astype(f32) * w.astype(f32)
-        ys.append(jax.nn.silu(y).astype(qkv_ref.dtype).astype(f32))
+        ys.append(conv_silu(hist, taps[j], qkv_ref.dtype))
 
         @pl.when(active)  # the tail moves by one token; an inactive row's is not written (it keeps its tail)
         def _tails(j=j, hist=hist):
             for r in range(width - 1):
                 conv_ref.at[slot, j, r, chans][...] = hist[r + 1].astype(conv_ref.dtype)
     q, k, v = ys
-    if qk_norm:  # decode_parts.head_prologue
-        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-    g = g.astype(f32)
-    if gate:
-        g = lower_bound * jax.nn.sigmoid(jnp.exp(a_log.astype(f32)) * g)
-    on = active.astype(f32)  # an inactive row: g = 0 and beta = 0 (its state stays as it is)
-    g, beta = g * on, b.astype(f32) * on
-    for i, x in enumerate((q, k, v, jnp.exp(g))):
+    q, k, g, beta = head_prologue(q, k, (g, b, a_log), active, lower_bound, gate, qk_norm)
+    for i, x in enumerate((q, k, v, g)):
         rows[i, :] = x
     plgpu.commit_smem()
     _recurrence(s_ref, tile, bars, rows, o_smem, slot=slot, h=h, col0=0, beta=beta, active=active)
-    o = load(o_smem)  # decode_parts.gated_norm
-    o = o * jax.lax.rsqrt(jnp.sum(o * o) / dk + eps) * nw.astype(f32)
-    o_ref.at[n, h][...] = (o * jax.nn.sigmoid(gate_row.astype(f32))).astype(o_ref.dtype)
+    o_ref.at[n, h][...] = gated_norm(load(o_smem), nw, gate_row, eps).astype(o_ref.dtype)
     _drain()
 
 
