@@ -18,6 +18,7 @@ of the Mosaic GPU state kernel (tuning tma).
 The question it is for (docs/benchmarks.md, "Still to run"): the state kernel moves its bytes at 93% of copy
 on the H100 (twenty-second session) while the whole step reached about 77% on the H200 (eighteenth).
 """
+import functools
 import json
 import os
 import sys
@@ -108,21 +109,18 @@ def main():
             tbps = 2 * n * H * DK * DV * 4 / us / 1e6
             print(f"N = {n}: state, {over}: {us:.1f} us, {tbps:.2f} TB/s ({tbps / copy:.0%} of copy; "
                   f"output and states vs the first: {diff:.1e})", flush=True)
-        for bv, in_place, via_slot in [(DV, True, True), (DV, True, False), (DV, False, False), (32, True, True),
-                                       (32, False, False)] if CEILING else []:
-            sm = lambda cp, sp, bv=bv, ip=in_place, vs=via_slot: (sp[0, 0, 0], cp,
-                                                                  stream(slots, sp, bv=bv, in_place=ip, via_slot=vs))
-            us = 1e3 * decode_step_ms(sm, conv_pool, s_pool, STEPS)[0]
+        ceilings = [(f"block_v {bv}, {'in place' if ip else 'new array'}, {'slot read first' if vs else 'no slot'}",
+                     functools.partial(stream, bv=bv, in_place=ip, via_slot=vs))
+                    for bv, ip, vs in [(DV, True, True), (DV, True, False), (DV, False, False), (32, True, True),
+                                       (32, False, False)]]
+        ceilings += [(f"by TMA, block_v {bv}, in place, slot read first", functools.partial(stream_tma, bv=bv))
+                     for bv in ((DV, 64, 32) if tma_available() else ())]
+        for label, fn in ceilings if CEILING else ():
+            us = 1e3 * decode_step_ms(lambda cp, sp, fn=fn: (sp[0, 0, 0], cp, fn(slots, sp)), conv_pool, s_pool,
+                                      STEPS)[0]
             tbps = 2 * n * H * DK * DV * 4 / us / 1e6
-            print(f"N = {n}: stream ceiling, block_v {bv}, {'in place' if in_place else 'new array'}, "
-                  f"{'slot read first' if via_slot else 'no slot'}: {us:.1f} us, {tbps:.2f} TB/s "
-                  f"({tbps / copy:.0%} of copy)", flush=True)
-        for bv in (DV, 64, 32) if CEILING and tma_available() else ():
-            sm = lambda cp, sp, bv=bv: (sp[0, 0, 0], cp, stream_tma(slots, sp, bv=bv))
-            us = 1e3 * decode_step_ms(sm, conv_pool, s_pool, STEPS)[0]
-            tbps = 2 * n * H * DK * DV * 4 / us / 1e6
-            print(f"N = {n}: stream ceiling by TMA, block_v {bv}, in place, slot read first: {us:.1f} us, "
-                  f"{tbps:.2f} TB/s ({tbps / copy:.0%} of copy)", flush=True)
+            print(f"N = {n}: stream ceiling, {label}: {us:.1f} us, {tbps:.2f} TB/s ({tbps / copy:.0%} of copy)",
+                  flush=True)
         # the norm of a fixed output, made to depend on the loop's state so that XLA cannot hoist it out
         nm = lambda cp, sp, o_raw=o_raw: (gated_output_norm(o_raw + 0.0 * sp[0, 0, 0, 0], norm_w, gate, 1e-5,
                                                             qkv.dtype), cp, sp)
